@@ -1,0 +1,1 @@
+"""Helpers no user should import directly."""

@@ -1,0 +1,123 @@
+"""CheckpointConfig: every option of a job's checkpointing, validated once.
+
+The config is a frozen keyword-only dataclass.  :meth:`CheckpointConfig.from_dict`
+accepts the names used in the seeds' ``checkpoint_config`` dicts as written
+(``save_interval``, ``keep_best_n`` ...) and verl-style dotted keys
+(``trainer.save_freq``, ``trainer.default_local_dir`` ...); :data:`ALIASES` is the
+one table mapping them.  Environment overrides live in :func:`env_overrides` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+BestMode = Literal["max", "min"]
+ResumeMode = Literal["auto", "disable", "path"]
+
+# Alternative spellings accepted by from_dict -> canonical field name.
+ALIASES: dict[str, str] = {
+    "checkpoint_dir": "save_dir",
+    "trainer.default_local_dir": "save_dir",
+    "trainer.save_freq": "save_full_interval",
+    "trainer.max_actor_ckpt_to_keep": "keep_last_n",
+    "trainer.resume_mode": "resume_mode",
+    "trainer.resume_from_path": "resume_from",
+    "resume_from_path": "resume_from",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Options of one job's checkpointing.  See DESIGN section 5 for the rules."""
+
+    save_dir: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    job_name: str = "default"
+
+    # triggers (driven by the training loop; see triggers.py)
+    save_interval: int | None = None
+    save_full_interval: int | None = None
+    save_every_minutes: float | None = None
+    save_on_loss_drop: float | None = None
+    save_on_reward_gain: float | None = None
+    save_on_train_end: bool = True
+    save_on_preemption: bool = True
+
+    # retention
+    keep_last_n: int | None = None
+    keep_last_n_light: int | None = None
+    keep_best_n: int | None = None
+    best_metric: str = "reward"
+    best_mode: BestMode = "max"
+
+    # integrity / security
+    enable_checksum: bool = True
+    encryption_key: str | None = None
+
+    # resume
+    resume_mode: ResumeMode = "auto"
+    resume_from: str | None = None
+
+    # timeouts (seconds)
+    commit_timeout_s: float = 600.0
+    save_wait_timeout_s: float = 1800.0
+    rpc_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.save_dir:
+            raise ValueError("save_dir must name a directory or URI, got an empty string")
+        for name in ("save_interval", "save_full_interval", "keep_last_n", "keep_last_n_light",
+                     "keep_best_n"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.best_mode not in ("max", "min"):
+            raise ValueError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        if self.resume_mode not in ("auto", "disable", "path"):
+            raise ValueError(
+                f"resume_mode must be 'auto', 'disable' or 'path', got {self.resume_mode!r}")
+        if self.resume_mode == "path" and not self.resume_from:
+            raise ValueError("resume_mode='path' needs resume_from (a path, step or tag)")
+        if self.encryption_key is not None and not self.encryption_key.startswith(("env:", "file:")):
+            raise ValueError(
+                "encryption_key must be a reference such as 'env:NAME' or 'file:PATH'; "
+                "a literal secret in a config is refused")
+        for name in ("commit_timeout_s", "save_wait_timeout_s", "rpc_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> CheckpointConfig:
+        """Build a config from a dict of canonical names, seed names or verl dotted keys."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        unknown = []
+        for key, value in options.items():
+            name = ALIASES.get(key, key.removeprefix("checkpoint."))
+            if name not in known:
+                unknown.append(key)
+                continue
+            if name == "resume_mode" and value == "resume_path":  # verl spelling
+                value = "path"
+            kwargs[name] = value
+        if unknown:
+            raise ValueError(f"unknown checkpoint option(s) {sorted(unknown)}; "
+                             f"known: {sorted(known | set(ALIASES))}")
+        kwargs.update(env_overrides())
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> CheckpointConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def env_overrides() -> dict[str, Any]:
+    """The only place environment variables change a config."""
+    out: dict[str, Any] = {}
+    if "RAYCHECKPOINT_SAVE_DIR" in os.environ:
+        out["save_dir"] = os.environ["RAYCHECKPOINT_SAVE_DIR"]
+    if "RAYCHECKPOINT_ENABLE_CHECKSUM" in os.environ:
+        out["enable_checksum"] = os.environ["RAYCHECKPOINT_ENABLE_CHECKSUM"] not in ("0", "false")
+    return out

@@ -1,0 +1,359 @@
+"""CheckpointCoordinator: one per job; owns commit, LATEST, the catalog and retention.
+
+It is a plain class, run as a threaded Ray actor by the manager
+(``ray.remote(CheckpointCoordinator).options(max_concurrency=...)``).  Protocol:
+
+1. ``begin(step, kind, ...)`` reserves a step directory and the set of expected
+   (role, rank) reports; a save still in flight is waited for first (bounded), so two
+   saves of a job never interleave their commits.
+2. Workers call ``report(save_id, role, rank, files, error)`` from their persist threads.
+3. A commit thread per save waits for every report (timeout: ``commit_timeout_s``; the
+   error names the missing pairs), then writes, in this order: ``trainer_state.json``,
+   ``version.json``, ``manifest.msgpack``, ``COMMITTED``, ``LATEST`` (full only) and the
+   ``latest`` link, the tag pointer, ``catalog.json``; then applies retention and
+   broadcasts ``ckpt_on_committed`` to the registered workers.
+4. Any failure aborts: no marker, ``LATEST`` unchanged, partial files left to GC; the
+   error is delivered by ``wait(save_id)``.
+
+State lives on storage: on start the coordinator rebuilds the catalog and ``LATEST``
+from the markers if they disagree and collects uncommitted leftovers.  Deleting a
+checkpoint removes its marker first, so a half-deleted directory is mere garbage.
+The coordinator never looks inside tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from raycheckpoint import catalog
+from raycheckpoint._internal import faults
+from raycheckpoint.config import CheckpointConfig
+from raycheckpoint.errors import CheckpointSaveError, CommitTimeoutError
+from raycheckpoint.format import (
+    CATALOG,
+    COMMITTED,
+    LATEST,
+    LATEST_LINK,
+    MANIFEST,
+    TAGS_DIR,
+    TRAINER_STATE,
+    VERSION,
+    Manifest,
+    Marker,
+    RoleLayout,
+    json_bytes,
+    step_dir_name,
+    validate_tag,
+    version_info,
+)
+from raycheckpoint.retention import RetentionPolicy
+from raycheckpoint.storage import FileEntry, StorageSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Save:
+    save_id: str
+    name: str
+    step: int
+    kind: str
+    tag: str | None
+    metrics: dict[str, float]
+    trainer_state: dict[str, Any]
+    world_sizes: dict[str, int]
+    expected: set[tuple[str, int]]
+    deadline: float
+    started: float = field(default_factory=time.time)
+    reports: dict[tuple[str, int], list[FileEntry]] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    persist_s: dict[str, float] = field(default_factory=dict)
+    status: str = "pending"  # pending | committed | aborted
+    result: dict[str, Any] | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class CheckpointCoordinator:
+    def __init__(self, storage: StorageSpec, config: CheckpointConfig) -> None:
+        self.spec = storage
+        self.storage = storage.open()
+        self.config = config
+        self.policy = RetentionPolicy.from_config(config)
+        self._cond = threading.Condition()
+        self._commit_lock = threading.Lock()
+        self._saves: dict[str, _Save] = {}
+        self._last: _Save | None = None
+        self._workers: list[Any] = []
+        self._manifests: dict[str, Manifest] = {}
+        self.recovery = self._recover()
+
+    # ---- recovery and catalog ---------------------------------------------------------------
+
+    def _recover(self) -> dict[str, Any]:
+        """Make the caches agree with the markers; collect leftovers; apply retention."""
+        with self._commit_lock:
+            markers, uncommitted = catalog.scan(self.storage)
+            tags = catalog.read_tags(self.storage)
+            report: dict[str, Any] = {"committed": [m.name for m in markers],
+                                      "rebuilt_catalog": False, "fixed_latest": False}
+            want_latest = catalog.expected_latest(markers)
+            if catalog.read_latest(self.storage) != want_latest and want_latest is not None:
+                self._write_latest(want_latest)
+                report["fixed_latest"] = True
+            doc = catalog.catalog_doc(markers, tags)
+            if catalog.read_catalog(self.storage) != doc:
+                self.storage.write_pointer(CATALOG, json_bytes(doc))
+                report["rebuilt_catalog"] = True
+            report["collected"] = self._collect_leftovers(uncommitted)
+            report["deleted"] = self._apply_retention(markers, tags)
+            return report
+
+    def _write_latest(self, name: str) -> None:
+        self.storage.write_pointer(LATEST, (name + "\n").encode())
+        self.storage.symlink(LATEST_LINK, name)
+
+    def _in_flight(self) -> set[str]:
+        with self._cond:
+            return {s.name for s in self._saves.values() if s.status == "pending"}
+
+    def _collect_leftovers(self, uncommitted: list[str]) -> list[str]:
+        busy = self._in_flight()
+        collected = []
+        for name in uncommitted:
+            if name not in busy:
+                self.storage.delete_tree(name)
+                collected.append(name)
+        return collected
+
+    def _manifest(self, name: str) -> Manifest | None:
+        if name not in self._manifests:
+            try:
+                self._manifests[name] = Manifest.from_bytes(
+                    self.storage.read_bytes(f"{name}/{MANIFEST}"))
+            except (FileNotFoundError, ValueError) as e:
+                logger.warning("cannot read manifest of %s: %s", name, e)
+                return None
+        return self._manifests[name]
+
+    def _apply_retention(self, markers: list[Marker], tags: dict[str, str]) -> list[str]:
+        entries = [m.to_catalog_entry() for m in markers]
+        protected = set(tags.values()) | self._in_flight()
+        latest = catalog.read_latest(self.storage)
+        if latest:
+            protected.add(latest)
+        doomed = self.policy.to_delete(entries, protected=protected)
+        if not doomed:
+            return []
+        kept = [m for m in markers if m.name not in doomed]
+        # catalog first: a crash after this leaves committed-but-uncatalogued dirs, which
+        # recovery re-adds and retention deletes again (collection is idempotent)
+        self.storage.write_pointer(CATALOG, json_bytes(catalog.catalog_doc(kept, tags)))
+        referenced: set[str] = set()
+        for m in kept:
+            manifest = self._manifest(m.name)
+            if manifest is not None:
+                referenced |= {p for p in manifest.files if not p.startswith(m.name + "/")}
+        for name in doomed:
+            faults.check("coordinator.retention_delete", path=name)
+            self.storage.delete(f"{name}/{COMMITTED}")
+            shared = {p for p in referenced if p.startswith(name + "/")}
+            if shared:
+                for path in self.storage.list_files(name):
+                    if path not in shared:
+                        self.storage.delete(path)
+            else:
+                self.storage.delete_tree(name)
+            self._manifests.pop(name, None)
+        return doomed
+
+    # ---- driver API ---------------------------------------------------------------------------
+
+    def register_workers(self, workers: list[Any]) -> None:
+        self._workers = list(workers)
+
+    def catalog(self) -> dict[str, Any]:
+        markers, _ = catalog.scan(self.storage)
+        return catalog.catalog_doc(markers, catalog.read_tags(self.storage))
+
+    def begin(self, *, step: int, kind: str, tag: str | None, metrics: dict[str, float],
+              trainer_state: dict[str, Any], expected: list[tuple[str, int]],
+              world_sizes: dict[str, int]) -> dict[str, Any]:
+        """Reserve a save.  Returns ``{"save_id", "name"}`` or ``{"existing": entry}``."""
+        if kind not in ("full", "light"):
+            raise ValueError(f"kind must be 'full' or 'light', got {kind!r}")
+        if tag is not None:
+            validate_tag(tag)
+        previous = self._last
+        if previous is not None and not previous.done.wait(self.config.save_wait_timeout_s):
+            raise TimeoutError(f"save {previous.name} is still in flight after "
+                               f"{self.config.save_wait_timeout_s}s; not starting another")
+        with self._commit_lock:
+            name = step_dir_name(step)
+            existing = catalog.read_marker(self.storage, name)
+            if existing is not None and (existing.kind == "full" or kind == "light"):
+                if tag is not None:
+                    self.storage.write_pointer(f"{TAGS_DIR}/{tag}", (name + "\n").encode())
+                    self._write_catalog()
+                return {"existing": existing.to_catalog_entry()}
+            if existing is not None:  # a light checkpoint holds this step; a full one is asked
+                name = step_dir_name(step, upgraded=True)
+                upgraded = catalog.read_marker(self.storage, name)
+                if upgraded is not None:
+                    return {"existing": upgraded.to_catalog_entry()}
+            if self.storage.list_dir(name):
+                self.storage.delete_tree(name)  # leftover of an aborted attempt at this step
+            save = _Save(save_id=uuid.uuid4().hex[:12], name=name, step=step, kind=kind, tag=tag,
+                         metrics=dict(metrics), trainer_state=dict(trainer_state),
+                         world_sizes=dict(world_sizes), expected={tuple(e) for e in expected},
+                         deadline=time.time() + self.config.commit_timeout_s)
+            with self._cond:
+                self._saves[save.save_id] = save
+                self._last = save
+        threading.Thread(target=self._run, args=(save,), daemon=True,
+                         name=f"raycheckpoint-commit-{name}").start()
+        return {"save_id": save.save_id, "name": name}
+
+    def report(self, save_id: str, role: str, rank: int, files: list[dict[str, Any]],
+               error: str | None, persist_s: float | None = None) -> None:
+        with self._cond:
+            save = self._saves.get(save_id)
+            if save is None or save.status != "pending":
+                logger.warning("report for unknown or finished save %s from %s/%s", save_id, role,
+                               rank)
+                return
+            key = (role, int(rank))
+            if key not in save.expected:
+                save.failures[f"{role}/{rank}"] = f"unexpected reporter (expected {sorted(save.expected)})"
+            elif error is not None:
+                save.failures[f"{role}/{rank}"] = error
+            else:
+                save.reports[key] = [FileEntry.from_dict(f) for f in files]
+                if persist_s is not None:
+                    save.persist_s[f"{role}/{rank}"] = float(persist_s)
+            self._cond.notify_all()
+
+    def abort(self, save_id: str, reason: str) -> None:
+        with self._cond:
+            save = self._saves.get(save_id)
+            if save is not None and save.status == "pending":
+                save.failures["driver"] = f"aborted: {reason}"
+                self._cond.notify_all()
+
+    def status(self, save_id: str) -> str:
+        with self._cond:
+            return self._saves[save_id].status
+
+    def wait(self, save_id: str, timeout: float | None = None) -> dict[str, Any]:
+        save = self._saves[save_id]
+        if not save.done.wait(timeout):
+            raise TimeoutError(f"save {save.name} ({save_id}) not finished after {timeout}s")
+        if save.error is not None:
+            raise save.error
+        return dict(save.result or {})
+
+    def gc(self) -> dict[str, list[str]]:
+        """Collect leftovers of dead saves and apply retention now (idempotent)."""
+        with self._commit_lock:
+            markers, uncommitted = catalog.scan(self.storage)
+            tags = catalog.read_tags(self.storage)
+            return {"collected": self._collect_leftovers(uncommitted),
+                    "deleted": self._apply_retention(markers, tags)}
+
+    # ---- commit --------------------------------------------------------------------------------
+
+    def _run(self, save: _Save) -> None:
+        with self._cond:
+            while (save.status == "pending" and not save.failures
+                   and set(save.reports) != save.expected and time.time() < save.deadline):
+                self._cond.wait(min(1.0, max(0.0, save.deadline - time.time())))
+            failures = dict(save.failures)
+            missing = sorted(save.expected - set(save.reports))
+        if failures:
+            self._finish(save, CheckpointSaveError(
+                f"save of {save.name} aborted; failures: "
+                + "; ".join(f"{who}: {msg.splitlines()[0] if msg else msg}"
+                            for who, msg in sorted(failures.items())),
+                failures=failures))
+            return
+        if missing:
+            self._finish(save, CommitTimeoutError(
+                f"save of {save.name} aborted: no report within {self.config.commit_timeout_s}s "
+                f"from (role, rank) {missing}", missing=missing))
+            return
+        try:
+            with self._commit_lock:
+                result = self._commit(save)
+        except Exception as e:
+            logger.exception("commit of %s failed", save.name)
+            self._finish(save, CheckpointSaveError(
+                f"commit of {save.name} failed: {type(e).__name__}: {e}",
+                failures={"coordinator": repr(e)}))
+            return
+        self._finish(save, None, result)
+        for w in self._workers:
+            try:
+                w.ckpt_on_committed.remote(save.name, save.step)
+            except Exception as e:  # noqa: BLE001 - a dead worker must not fail a commit
+                logger.warning("broadcast of %s to a worker failed: %s", save.name, e)
+
+    def _finish(self, save: _Save, error: BaseException | None,
+                result: dict[str, Any] | None = None) -> None:
+        with self._cond:
+            save.status = "aborted" if error is not None else "committed"
+            save.error, save.result = error, result
+            self._cond.notify_all()
+        if error is not None:
+            logger.error("%s", error)
+        save.done.set()
+
+    def _commit(self, save: _Save) -> dict[str, Any]:
+        s, name = self.storage, save.name
+        files: dict[str, FileEntry] = {}
+        roles: dict[str, RoleLayout] = {}
+        for (role, rank), entries in sorted(save.reports.items()):
+            layout = roles.setdefault(role, RoleLayout(world_size=save.world_sizes[role],
+                                                       dcp_dir=f"{name}/{role}"))
+            layout.ranks[rank] = [e.path for e in entries]
+            for e in entries:
+                files[e.path] = e
+        trainer_state = {**save.trainer_state, "global_step": save.step, "kind": save.kind,
+                         "tag": save.tag, "metrics": save.metrics, "name": name}
+        faults.check("coordinator.trainer_state", path=name)
+        for entry in (s.write_bytes(f"{name}/{TRAINER_STATE}", json_bytes(trainer_state)),
+                      s.write_bytes(f"{name}/{VERSION}", json_bytes(version_info()))):
+            files[entry.path] = entry
+        manifest = Manifest(name=name, step=save.step, kind=save.kind, files=files, roles=roles)
+        faults.check("coordinator.manifest", path=name)
+        m_entry = s.write_bytes(f"{name}/{MANIFEST}", manifest.to_bytes())
+        marker = Marker(name=name, step=save.step, kind=save.kind, manifest_size=m_entry.size,
+                        manifest_sha256=m_entry.sha256, bytes=manifest.total_bytes + m_entry.size,
+                        metrics=save.metrics, tag=save.tag)
+        faults.check("coordinator.before_marker", path=name)
+        s.create_marker(f"{name}/{COMMITTED}", marker.to_bytes())
+        self._manifests[name] = manifest
+        faults.check("coordinator.after_marker", path=name)
+        markers, _ = catalog.scan(s)
+        if save.kind == "full" and catalog.expected_latest(markers) == name:
+            self._write_latest(name)
+        if save.tag is not None:
+            s.write_pointer(f"{TAGS_DIR}/{save.tag}", (name + "\n").encode())
+        tags = catalog.read_tags(s)
+        faults.check("coordinator.catalog", path=name)
+        s.write_pointer(CATALOG, json_bytes(catalog.catalog_doc(markers, tags)))
+        deleted = self._apply_retention(markers, tags)
+        committed_at = time.time()
+        return {"name": name, "step": save.step, "kind": save.kind, "tag": save.tag,
+                "bytes": marker.bytes, "files": len(files), "deleted": deleted,
+                "persist_s": max(save.persist_s.values(), default=0.0),
+                "total_s": committed_at - save.started}
+
+    def _write_catalog(self) -> None:
+        markers, _ = catalog.scan(self.storage)
+        doc = catalog.catalog_doc(markers, catalog.read_tags(self.storage))
+        self.storage.write_pointer(CATALOG, json_bytes(doc))

@@ -1,0 +1,385 @@
+"""CheckpointManager: the driver-side facade (save_checkpoint, load_checkpoint, stats).
+
+The manager starts the job's :class:`~raycheckpoint.coordinator.CheckpointCoordinator`
+actor, sets up the workers' savers, and drives the protocol:
+
+* ``save_checkpoint(tag=None, kind="full")`` asks the coordinator to ``begin``, calls
+  ``ckpt_snapshot`` on every worker in parallel (returns after their host copy) and
+  returns a :class:`SaveHandle` at once; persisting and committing go on in the
+  background.  ``handle.wait(timeout)`` returns the commit result or raises the error.
+* ``load_checkpoint(ref, strict=True)`` resolves, verifies and loads a checkpoint into
+  every worker (resharding when the world size changed), then restores the driver's
+  RNG and data loader.  ``"auto"`` skips checkpoints that fail verification.
+* ``load_model_weights(ref)`` loads weights only (light or full checkpoints).
+
+Workers are any Ray actors mixing in :class:`~raycheckpoint.worker.CheckpointableWorker`,
+grouped by role (rank = position in the list).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayTaskError
+
+from raycheckpoint.config import CheckpointConfig
+from raycheckpoint.coordinator import CheckpointCoordinator
+from raycheckpoint.errors import (
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    ConfigMismatchError,
+    IntegrityError,
+    LightCheckpointError,
+    RayCheckpointError,
+)
+from raycheckpoint.format import rng_file
+from raycheckpoint.resume import VerifiedCheckpoint, config_diff, open_verified, resolve, split_path_ref
+from raycheckpoint.state import capture_rng, restore_rng
+from raycheckpoint.storage import Storage, StorageSpec
+
+logger = logging.getLogger(__name__)
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """The original exception a Ray task or actor raised."""
+    while isinstance(e, RayTaskError) and e.cause is not None:
+        e = e.cause
+    return e
+
+
+def _get(refs: Any, timeout: float) -> Any:
+    try:
+        return ray.get(refs, timeout=timeout)
+    except RayTaskError as e:
+        raise _unwrap(e) from None
+
+
+@dataclass
+class LoadResult:
+    name: str
+    step: int
+    kind: str
+    epoch: int | None
+    metrics: dict[str, Any]
+    trainer_state: dict[str, Any] = field(repr=False)
+    skipped: list[str] = field(default_factory=list)
+    resharded: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+class SaveHandle:
+    """A save in flight: ``done()``, ``wait(timeout)``; errors are re-raised unchanged."""
+
+    def __init__(self, manager: CheckpointManager, *, save_id: str | None, name: str, step: int,
+                 kind: str, stall_s: float, worker_stall_s: float, existing: dict | None = None):
+        self._manager = manager
+        self.save_id, self.name, self.step, self.kind = save_id, name, step, kind
+        self.stall_s, self.worker_stall_s = stall_s, worker_stall_s
+        self._result: dict[str, Any] | None = existing
+        self._error: BaseException | None = None
+        self.observed = existing is not None
+
+    def done(self) -> bool:
+        if self._result is not None or self._error is not None:
+            return True
+        status = _get(self._manager._coordinator.status.remote(self.save_id),
+                      self._manager.config.rpc_timeout_s)
+        return status != "pending"
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        self.observed = True
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            rpc = self._manager.config.rpc_timeout_s
+            try:
+                self._result = _get(self._manager._coordinator.wait.remote(self.save_id, timeout),
+                                    None if timeout is None else timeout + rpc)
+            except (RayCheckpointError, TimeoutError) as e:
+                if isinstance(e, TimeoutError) and not isinstance(e, RayCheckpointError):
+                    raise  # still running: not a failure of the save
+                self._error = e
+                self._manager._record(self, None, e)
+                raise
+            self._manager._record(self, self._result, None)
+        return self._result
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+
+class CheckpointManager:
+    """Driver-side checkpointing for one job's worker groups."""
+
+    def __init__(self, config: CheckpointConfig, worker_groups: dict[str, list[Any]], *,
+                 dataloader: Any = None, fingerprint: dict[str, Any] | None = None) -> None:
+        if config.encryption_key is not None:
+            raise NotImplementedError(
+                "checkpoint encryption (encryption_key) is not available in this release; "
+                "unset encryption_key to save unencrypted checkpoints")
+        self.config = config
+        self.spec = StorageSpec(config.save_dir, dict(config.storage_options))
+        self.storage = self.spec.open()
+        if self.storage.is_process_local:
+            raise ValueError(f"{config.save_dir!r} is process-local (memory://): Ray workers run "
+                             "in other processes and cannot write there; use a directory or s3://")
+        self.groups = {role: list(ws) for role, ws in worker_groups.items()}
+        self.dataloader = dataloader
+        self.fingerprint = dict(fingerprint or {})
+        self.global_step = 0
+        self.epoch = 0
+        self.metrics: dict[str, Any] = {}
+        self._stats: list[dict[str, Any]] = []
+        self._handles: list[SaveHandle] = []
+        self._coordinator = ray.remote(CheckpointCoordinator).options(
+            max_concurrency=64, num_cpus=0).remote(self.spec, config)
+        rpc = config.rpc_timeout_s
+        _get([w.ckpt_setup.remote(role=role, rank=rank, world_size=len(ws), storage=self.spec,
+                                  report_timeout_s=rpc)
+              for role, ws in self.groups.items() for rank, w in enumerate(ws)], rpc)
+        _get(self._coordinator.register_workers.remote(self.workers), rpc)
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    @property
+    def workers(self) -> list[Any]:
+        return [w for ws in self.groups.values() for w in ws]
+
+    @property
+    def world_sizes(self) -> dict[str, int]:
+        return {role: len(ws) for role, ws in self.groups.items()}
+
+    @property
+    def coordinator(self) -> Any:
+        return self._coordinator
+
+    def update(self, *, step: int | None = None, epoch: int | None = None,
+               metrics: dict[str, Any] | None = None) -> None:
+        """Tell the manager where training is; saves record these values."""
+        if step is not None:
+            self.global_step = step
+        if epoch is not None:
+            self.epoch = epoch
+        if metrics is not None:
+            self.metrics = dict(metrics)
+
+    def catalog(self) -> dict[str, Any]:
+        return _get(self._coordinator.catalog.remote(), self.config.rpc_timeout_s)
+
+    def gc(self) -> dict[str, list[str]]:
+        return _get(self._coordinator.gc.remote(), self.config.rpc_timeout_s)
+
+    def _record(self, handle: SaveHandle, result: dict[str, Any] | None,
+                error: BaseException | None) -> None:
+        entry = {"name": handle.name, "step": handle.step, "kind": handle.kind,
+                 "stall_s": handle.stall_s, "worker_stall_s": handle.worker_stall_s,
+                 "ok": error is None}
+        if result is not None:
+            total = result.get("total_s") or 0.0
+            entry.update(bytes=result.get("bytes", 0), persist_s=result.get("persist_s"),
+                         total_s=total,
+                         throughput_mb_s=(result.get("bytes", 0) / total / 1e6) if total else None)
+        else:
+            entry["error"] = f"{type(error).__name__}: {error}"
+        self._stats.append(entry)
+
+    def _poll(self) -> None:
+        """Collect finished saves; warn (once) about failures nobody waited for."""
+        for h in list(self._handles):
+            if h.save_id is None or not h.done():
+                continue
+            self._handles.remove(h)
+            if h.observed:
+                continue
+            try:
+                h.wait(0)
+            except RayCheckpointError as e:
+                warnings.warn(f"checkpoint {h.name} (step {h.step}) failed and was not "
+                              f"committed: {e}", RuntimeWarning, stacklevel=3)
+                h.observed = True
+
+    @property
+    def checkpoint_stats(self) -> list[dict[str, Any]]:
+        """Per finished save: bytes, stall_s, persist_s, total_s, throughput_mb_s, ok."""
+        self._poll()
+        return list(self._stats)
+
+    # ---- save -------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, tag: str | None = None, kind: str = "full", *,
+                        step: int | None = None, metrics: dict[str, Any] | None = None) -> SaveHandle:
+        """Snapshot every worker (blocking only for the host copy) and commit in the background."""
+        if kind not in ("full", "light"):
+            raise ValueError(f"kind must be 'full' or 'light', got {kind!r}")
+        self._poll()
+        step = self.global_step if step is None else step
+        metrics = dict(self.metrics if metrics is None else metrics)
+        t0 = time.perf_counter()
+        trainer_state: dict[str, Any] = {
+            "epoch": self.epoch, "config_fingerprint": self.fingerprint,
+            "world_sizes": self.world_sizes, "saved_at": time.time()}
+        if kind == "full":
+            trainer_state["rng"] = capture_rng()
+            if self.dataloader is not None:
+                trainer_state["dataloader"] = self.dataloader.state_dict()
+        expected = [(role, rank) for role, ws in self.groups.items() for rank in range(len(ws))]
+        rpc = self.config.rpc_timeout_s
+        begun = _get(self._coordinator.begin.remote(
+            step=step, kind=kind, tag=tag, metrics=metrics, trainer_state=trainer_state,
+            expected=expected, world_sizes=self.world_sizes),
+            self.config.save_wait_timeout_s + rpc)
+        if "existing" in begun:
+            e = begun["existing"]
+            return SaveHandle(self, save_id=None, name=e["name"], step=e["step"], kind=e["kind"],
+                              stall_s=time.perf_counter() - t0, worker_stall_s=0.0,
+                              existing={**e, "existing": True})
+        save_id, name = begun["save_id"], begun["name"]
+        try:
+            snaps = _get([w.ckpt_snapshot.remote(save_id, name, kind, self._coordinator,
+                                                 self.config.save_wait_timeout_s)
+                          for w in self.workers], self.config.save_wait_timeout_s + rpc)
+        except BaseException as e:
+            self._coordinator.abort.remote(save_id, f"snapshot failed: {type(e).__name__}: {e}")
+            raise CheckpointSaveError(f"snapshot for {name} failed: {type(e).__name__}: {e}",
+                                      failures={"snapshot": repr(e)}) from e
+        handle = SaveHandle(self, save_id=save_id, name=name, step=step, kind=kind,
+                            stall_s=time.perf_counter() - t0,
+                            worker_stall_s=max(s["stall_s"] for s in snaps))
+        self._handles.append(handle)
+        return handle
+
+    def wait_for_saves(self, timeout: float | None = None) -> None:
+        """Wait for every save in flight; raise the first failure not yet observed."""
+        for h in list(self._handles):
+            if h.save_id is not None:
+                h.wait(timeout)
+        self._poll()
+
+    # ---- load -------------------------------------------------------------------------------------
+
+    def _storage_for(self, ref: str | int) -> tuple[Storage, str | int]:
+        if isinstance(ref, str) and ("/" in ref or "://" in ref):
+            split = split_path_ref(ref)
+            if split is None:
+                raise CheckpointNotFoundError(
+                    f"{ref!r} is not a checkpoint directory (expected <root>/step_NNNNNNNN)", ref=ref)
+            root, name = split
+            if root.rstrip("/") in (self.storage.url().rstrip("/"), self.config.save_dir.rstrip("/")):
+                return self.storage, name
+            return StorageSpec(root, dict(self.config.storage_options)).open(), name
+        return self.storage, ref
+
+    def load_checkpoint(self, ref: str | int = "auto", strict: bool = True) -> LoadResult | None:
+        """Resume from ``ref`` (path, step, tag, ``"latest"`` or ``"auto"``).
+
+        Returns None when ``ref == "auto"`` and the root holds no checkpoint (fresh start).
+        """
+        storage, ref = self._storage_for(ref)
+        names = resolve(storage, ref)
+        if not names:
+            return None  # only "auto" resolves to nothing
+        failures = []
+        for name in names:
+            try:
+                return self._load(storage, name, strict=strict, weights_only=False)
+            except IntegrityError as e:
+                if ref != "auto":
+                    raise
+                warnings.warn(f"checkpoint {name} failed verification, trying an older one: {e}",
+                              RuntimeWarning, stacklevel=2)
+                failures.append(f"{name}: {e}")
+        raise CheckpointNotFoundError("no committed full checkpoint verifies: "
+                                      + "; ".join(failures), ref=str(ref))
+
+    def load_model_weights(self, ref: str | int = "latest") -> LoadResult:
+        """Load only model weights from a light or full checkpoint into every worker."""
+        storage, ref = self._storage_for(ref)
+        if ref == "auto":
+            ref = "latest"
+        return self._load(storage, resolve(storage, ref)[0], strict=False, weights_only=True)
+
+    def _load(self, storage: Storage, name: str, *, strict: bool, weights_only: bool) -> LoadResult:
+        ck = open_verified(storage, name)
+        if not weights_only and ck.kind == "light":
+            if strict:
+                raise LightCheckpointError(
+                    f"{name} is a light checkpoint: it holds model weights only, no optimizer, "
+                    "data-loader or RNG state, so it cannot resume training with strict=True. "
+                    "Use load_model_weights() to load its weights.", name=name)
+            weights_only = True
+        skipped: list[str] = []
+        diffs = config_diff(ck.trainer_state.get("config_fingerprint") or {}, self.fingerprint)
+        if diffs and not weights_only:
+            text = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs)
+            if strict:
+                raise ConfigMismatchError(
+                    f"config of {name} differs from this job's in {len(diffs)} key(s): {text}. "
+                    "Resume with the same config, or pass strict=False to load anyway.",
+                    differences=diffs)
+            skipped.append(f"config differences ignored: {text}")
+        missing_roles = sorted(set(self.groups) - set(ck.manifest.roles))
+        if missing_roles:
+            msg = f"{name} holds no state for role(s) {missing_roles} (it has {sorted(ck.manifest.roles)})"
+            if strict:
+                raise IntegrityError(msg, path=name)
+            skipped.append(msg)
+        extra_roles = sorted(set(ck.manifest.roles) - set(self.groups))
+        if extra_roles:
+            skipped.append(f"roles in the checkpoint with no worker group here: {extra_roles}")
+        resharded = self._load_workers(ck, weights_only=weights_only, skipped=skipped)
+        ts = ck.trainer_state
+        if not weights_only:
+            skipped += [f"driver rng: {s}" for s in restore_rng(ts["rng"])]
+            if self.dataloader is not None:
+                if "dataloader" in ts:
+                    self.dataloader.load_state_dict(ts["dataloader"])
+                elif strict:
+                    raise IntegrityError(f"{name} has no data-loader state but this job has a "
+                                         "data loader", path=name)
+                else:
+                    skipped.append("data loader: no saved state")
+            self.update(step=ck.step, epoch=ts.get("epoch"), metrics=ts.get("metrics") or {})
+        for s in skipped:
+            logger.info("load %s: %s", name, s)
+        return LoadResult(name=name, step=ck.step, kind=ck.kind, epoch=ts.get("epoch"),
+                          metrics=ts.get("metrics") or {}, trainer_state=ts, skipped=skipped,
+                          resharded=resharded)
+
+    def _load_workers(self, ck: VerifiedCheckpoint, *, weights_only: bool,
+                      skipped: list[str]) -> dict[str, tuple[int, int]]:
+        calls, resharded = [], {}
+        for role, workers in self.groups.items():
+            layout = ck.manifest.roles.get(role)
+            if layout is None:
+                continue
+            if layout.world_size != len(workers):
+                resharded[role] = (layout.world_size, len(workers))
+            prefix = layout.dcp_dir + "/"
+            files = {p: e.to_dict() for p, e in ck.manifest.files.items() if p.startswith(prefix)}
+            for rank, w in enumerate(workers):
+                rng = f"{ck.name}/{rng_file(role, rank if rank < layout.world_size else 0)}"
+                if rng in ck.manifest.files:
+                    files_r = {**files, rng: ck.manifest.files[rng].to_dict()}
+                else:
+                    files_r, rng = files, None
+                calls.append(w.ckpt_load.remote({
+                    "dcp_dir": layout.dcp_dir, "files": files_r,
+                    "check_sha": self.config.enable_checksum,
+                    "kind": "light" if weights_only else "full",
+                    "saved_world_size": layout.world_size, "rng_file": rng,
+                    "wait_timeout_s": self.config.save_wait_timeout_s}))
+        for r in _get(calls, self.config.rpc_timeout_s):
+            skipped.extend(r["skipped"])
+        return resharded
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for saves in flight, then stop the coordinator actor."""
+        try:
+            self.wait_for_saves(timeout)
+        finally:
+            ray.kill(self._coordinator)

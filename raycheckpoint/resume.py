@@ -1,0 +1,212 @@
+"""Resume-side checks: resolve a reference, verify a checkpoint, compare configs.
+
+``resolve(storage, ref)`` turns a path, step, tag, ``"latest"`` or ``"auto"`` into the
+candidate step directories (``auto``: every committed full checkpoint, newest first).
+``open_verified`` then checks, before any worker reads a tensor:
+
+1. ``COMMITTED`` exists (nothing ever reads an uncommitted step);
+2. the manifest's size and sha256 match the marker;
+3. ``version.json`` (listed in the manifest) is compatible;
+4. every file the manifest lists exists with its recorded size.
+
+sha256 of the small metadata files is always checked here; the shards' sha256 is
+checked by the workers as they stream them (no second read), when enabled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from raycheckpoint import catalog
+from raycheckpoint.dcp_io import verify_bytes
+from raycheckpoint.errors import (
+    CheckpointNotFoundError,
+    IncompatibleCheckpointError,
+    IntegrityError,
+)
+from raycheckpoint.format import (
+    BREAKING_CHANGES,
+    COMMITTED,
+    COMPATIBLE_SINCE,
+    FORMAT_VERSION,
+    MANIFEST,
+    TRAINER_STATE,
+    VERSION,
+    Manifest,
+    Marker,
+    parse_step_dir,
+)
+from raycheckpoint.storage import Storage
+
+# breaking change name -> function(VerifiedCheckpoint) -> None converting in memory
+CONVERTERS: dict[str, Callable[[VerifiedCheckpoint], None]] = {}
+
+
+@dataclass
+class VerifiedCheckpoint:
+    storage: Storage
+    name: str
+    marker: Marker
+    manifest: Manifest
+    version: dict[str, Any]
+    trainer_state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return self.marker.step
+
+    @property
+    def kind(self) -> str:
+        return self.marker.kind
+
+
+def _available(storage: Storage) -> str:
+    markers, _ = catalog.scan(storage)
+    tags = catalog.read_tags(storage)
+    names = ", ".join(f"{m.name} ({m.kind})" for m in markers) or "none"
+    tag_text = ", ".join(f"{t} -> {n}" for t, n in sorted(tags.items())) or "none"
+    return f"committed checkpoints under {storage.url()}: {names}; tags: {tag_text}"
+
+
+def split_path_ref(ref: str) -> tuple[str, str] | None:
+    """``/root/step_00000010`` or ``s3://b/root/step_00000010/`` -> (root uri, name)."""
+    stripped = ref.rstrip("/")
+    parent, name = posixpath.split(stripped)
+    if parse_step_dir(name) is None or not parent:
+        return None
+    return parent, name
+
+
+def resolve(storage: Storage, ref: str | int) -> list[str]:
+    """Candidate step directory names for ``ref`` in ``storage``, best first."""
+    markers, _ = catalog.scan(storage)
+    committed = {m.name: m for m in markers}
+    if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+        step = int(ref)
+        hits = sorted((m for m in markers if m.step == step),
+                      key=lambda m: (m.kind == "full", m.committed_at), reverse=True)
+        if hits:
+            return [m.name for m in hits]
+        raise CheckpointNotFoundError(f"no committed checkpoint at step {step}; "
+                                      + _available(storage), ref=str(ref))
+    if ref == "auto":
+        return [m.name for m in sorted((m for m in markers if m.kind == "full"),
+                                       key=catalog.order_key, reverse=True)]
+    if ref == "latest":
+        pointed = catalog.read_latest(storage)
+        newest = catalog.expected_latest(markers)
+        # the markers win over the pointer cache (a crash may sit between them)
+        names = [n for n in dict.fromkeys([newest, pointed]) if n in committed]
+        if names:
+            return names
+        raise CheckpointNotFoundError("no committed full checkpoint to resolve 'latest'; "
+                                      + _available(storage), ref=ref)
+    if parse_step_dir(ref) is not None:
+        if ref in committed:
+            return [ref]
+        raise CheckpointNotFoundError(f"{ref} is not a committed checkpoint; "
+                                      + _available(storage), ref=ref)
+    tags = catalog.read_tags(storage)
+    if ref in tags:
+        if tags[ref] in committed:
+            return [tags[ref]]
+        raise CheckpointNotFoundError(f"tag {ref!r} points to {tags[ref]}, which is not committed; "
+                                      + _available(storage), ref=ref)
+    raise CheckpointNotFoundError(f"unknown checkpoint reference {ref!r} (give a path, step, tag, "
+                                  f"'latest' or 'auto'); " + _available(storage), ref=str(ref))
+
+
+def check_version(version: dict[str, Any], name: str) -> list[str]:
+    """Refuse what this library cannot read; return the breaking changes to convert."""
+    fmt = int(version.get("format_version", -1))
+    since = int(version.get("compatible_since", fmt))
+    lib = version.get("library_version", "unknown")
+    if since > FORMAT_VERSION:
+        raise IncompatibleCheckpointError(
+            f"{name} was written in format {fmt} by raycheckpoint {lib}, readable from format "
+            f"{since} on; this library reads format {FORMAT_VERSION}. Upgrade raycheckpoint to "
+            f">= {lib} to load it.", name=name)
+    if fmt < COMPATIBLE_SINCE:
+        pending = [c for c in BREAKING_CHANGES if c not in version.get("breaking_changes", [])]
+        unknown = [c for c in pending if c not in CONVERTERS]
+        if unknown:
+            raise IncompatibleCheckpointError(
+                f"{name} is in format {fmt}; this library reads formats >= {COMPATIBLE_SINCE} and "
+                f"has no converter for {unknown}. Load it with raycheckpoint {lib} and re-save.",
+                name=name)
+        return pending
+    return []
+
+
+def _read_listed(storage: Storage, manifest: Manifest, rel: str) -> bytes:
+    try:
+        data = storage.read_bytes(rel)
+    except FileNotFoundError as e:
+        raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
+    verify_bytes(rel, data, manifest.files.get(rel), check_sha=True)
+    return data
+
+
+def open_verified(storage: Storage, name: str) -> VerifiedCheckpoint:
+    """Read and check a committed checkpoint's metadata and file presence and sizes."""
+    marker = catalog.read_marker(storage, name)
+    if marker is None:
+        raise CheckpointNotFoundError(f"{name} has no {COMMITTED} marker; " + _available(storage),
+                                      ref=name)
+    rel = f"{name}/{MANIFEST}"
+    try:
+        data = storage.read_bytes(rel)
+    except FileNotFoundError as e:
+        raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
+    if len(data) != marker.manifest_size or hashlib.sha256(data).hexdigest() != marker.manifest_sha256:
+        raise IntegrityError(f"{rel}: does not match the size/sha256 recorded in {COMMITTED}",
+                             path=rel)
+    manifest = Manifest.from_bytes(data)
+    version = json.loads(_read_listed(storage, manifest, f"{name}/{VERSION}"))
+    conversions = check_version(version, name)
+    trainer_state = json.loads(_read_listed(storage, manifest, f"{name}/{TRAINER_STATE}"))
+    present = storage.list_files(name)
+    for path, entry in sorted(manifest.files.items()):
+        size = present.get(path)
+        if size is None and not path.startswith(name + "/"):
+            size = storage.size(path) if storage.exists(path) else None
+        if size is None:
+            raise IntegrityError(f"{path}: listed in the manifest of {name} but missing", path=path)
+        if size != entry.size:
+            raise IntegrityError(f"{path}: {size} bytes on storage, manifest says {entry.size} "
+                                 "(truncated or overwritten)", path=path)
+    ck = VerifiedCheckpoint(storage, name, marker, manifest, version, trainer_state)
+    for change in conversions:
+        CONVERTERS[change](ck)
+    return ck
+
+
+def verify_checkpoint(storage: Storage, name: str) -> dict[str, Any]:
+    """Full verification (every byte hashed): what ``raycheckpoint verify`` runs."""
+    ck = open_verified(storage, name)
+    for path in sorted(ck.manifest.files):
+        _read_listed(storage, ck.manifest, path)
+    return {"name": name, "step": ck.step, "kind": ck.kind, "files": len(ck.manifest.files),
+            "bytes": ck.manifest.total_bytes}
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Every key whose value differs, as ``(key, saved, current)``; missing shows as None."""
+    a, b = flatten(saved), flatten(current)
+    return [(k, a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]

@@ -1,0 +1,166 @@
+"""Worker-side saving: stage into reused host buffers, persist in a background thread.
+
+:class:`ShardSaver` is owned by one worker (one rank of one role).  Per save:
+
+1. ``snapshot()`` waits (bounded) for the previous persist of this worker, then copies
+   the state dict into host buffers allocated on first use and reused afterwards
+   (pinned when CUDA is present).  **This copy is the only time training is blocked.**
+2. A background thread runs ``torch.distributed.checkpoint.save`` of the staged copy
+   through :class:`~raycheckpoint.dcp_io.HashingStorageWriter` on the checkpoint process
+   group, writes the rank's extra state (RNG, scheduler) as msgpack, and reports the
+   written files to the coordinator.
+3. On failure the thread keeps the exception (``PendingPersist.error``), reports it to
+   the coordinator so the save aborts, and ``PendingPersist.wait()`` re-raises it.
+
+The saver knows nothing of commits: it writes files and reports them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.tensor import DTensor
+
+from raycheckpoint._internal import faults
+from raycheckpoint.dcp_io import HashingStorageWriter
+from raycheckpoint.format import pack, rng_file
+from raycheckpoint.storage import FileEntry, StorageSpec
+
+
+def _signature(obj: Any, prefix: str = "") -> list[tuple]:
+    """Structure of a state dict: the buffers can be reused while it is unchanged."""
+    if isinstance(obj, dict):
+        out: list[tuple] = []
+        for k in sorted(obj, key=str):
+            out.extend(_signature(obj[k], f"{prefix}/{k}"))
+        return out
+    if isinstance(obj, (list, tuple)):
+        out = []
+        for i, v in enumerate(obj):
+            out.extend(_signature(v, f"{prefix}/{i}"))
+        return out
+    if isinstance(obj, DTensor):
+        return [(prefix, "dt", tuple(obj.to_local().shape), obj.dtype, tuple(obj.placements))]
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, "t", tuple(obj.shape), obj.dtype)]
+    return [(prefix, type(obj).__name__)]
+
+
+def tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    return 0
+
+
+class PendingPersist:
+    """Handle on one background persist: ``done()``, ``wait(timeout)``, ``error``."""
+
+    def __init__(self, save_id: str) -> None:
+        self.save_id = save_id
+        self.error: BaseException | None = None
+        self.files: list[FileEntry] = []
+        self.persist_s: float | None = None
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> list[FileEntry]:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"persist of save {self.save_id} still running after {timeout}s")
+        if self.error is not None:
+            raise self.error
+        return self.files
+
+
+class ShardSaver:
+    """Stages and persists one rank's shard of one role."""
+
+    def __init__(self, *, role: str, rank: int, world_size: int, storage: StorageSpec,
+                 process_group: dist.ProcessGroup | None = None,
+                 report_timeout_s: float = 300.0) -> None:
+        self.role = role
+        self.rank = rank
+        self.world_size = world_size
+        self.storage_spec = storage
+        self.storage = storage.open()
+        self.process_group = process_group
+        self.report_timeout_s = report_timeout_s
+        self.pin_memory = torch.cuda.is_available()
+        self._buffers: dict[str, tuple[list[tuple], dict[str, Any]]] = {}
+        self.pending: PendingPersist | None = None
+
+    def _stage(self, kind: str, state: dict[str, Any]) -> dict[str, Any]:
+        sig = _signature(state)
+        cached = self._buffers.get(kind)
+        if cached is None or cached[0] != sig:
+            cached = (sig, _create_cpu_state_dict(state, pin_memory=self.pin_memory))
+            self._buffers[kind] = cached
+        _copy_state_dict(state, cached[1], non_blocking=self.pin_memory)
+        if self.pin_memory:
+            torch.cuda.synchronize()
+        return cached[1]
+
+    def wait_previous(self, timeout: float) -> None:
+        """Wait for the previous persist; its error was already reported to the coordinator."""
+        if self.pending is not None and not self.pending._done.wait(timeout):
+            raise TimeoutError(
+                f"{self.role}/{self.rank}: previous save {self.pending.save_id} still persisting "
+                f"after {timeout}s")
+
+    def snapshot(self, *, save_id: str, step_dir: str, kind: str, state: dict[str, Any],
+                 extra: dict[str, Any] | None, coordinator: Any,
+                 wait_timeout_s: float = 1800.0) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self.wait_previous(wait_timeout_s)
+        staged = self._stage(kind, state)
+        stall_s = time.perf_counter() - t0
+        pending = PendingPersist(save_id)
+        self.pending = pending
+        thread = threading.Thread(
+            target=self._persist, name=f"raycheckpoint-persist-{self.role}-{self.rank}",
+            args=(pending, step_dir, staged, extra, coordinator), daemon=True)
+        thread.start()
+        return {"stall_s": stall_s, "bytes": tensor_bytes(staged)}
+
+    def _persist(self, pending: PendingPersist, step_dir: str, staged: dict[str, Any],
+                 extra: dict[str, Any] | None, coordinator: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            faults.check("worker.persist", path=f"{self.role}/{self.rank}")
+            writer = HashingStorageWriter(self.storage, f"{step_dir}/{self.role}")
+            dcp.save(staged, storage_writer=writer, process_group=self.process_group)
+            files = list(writer.written)
+            if extra is not None:
+                files.append(self.storage.write_bytes(
+                    f"{step_dir}/{rng_file(self.role, self.rank)}", pack(extra)))
+            faults.check("worker.before_report", path=f"{self.role}/{self.rank}")
+            pending.files = files
+            pending.persist_s = time.perf_counter() - t0
+            ray.get(coordinator.report.remote(
+                pending.save_id, self.role, self.rank, [f.to_dict() for f in files], None,
+                pending.persist_s), timeout=self.report_timeout_s)
+        except BaseException as e:  # noqa: BLE001 - kept, reported and re-raised by wait()
+            pending.error = e
+            text = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+            try:
+                ray.get(coordinator.report.remote(pending.save_id, self.role, self.rank, [], text,
+                                                  None), timeout=self.report_timeout_s)
+            except Exception as report_error:  # noqa: BLE001
+                e.add_note(f"also failed to report this error to the coordinator: {report_error}")
+        finally:
+            pending._done.set()

@@ -1,0 +1,125 @@
+"""RNG and data-position state: capture to plain (msgpack/JSON-safe) values, restore.
+
+Used on both sides: workers capture their per-rank RNG into ``rng/<role>/rank_<r>``,
+the driver captures its own RNG and its data loader's position into
+``trainer_state.json``.  Nothing here pickles.
+
+Data loaders: anything with ``state_dict()`` / ``load_state_dict()`` works (torchdata's
+``StatefulDataLoader`` included); :class:`ResumableSampler` is a dependency-free
+sampler that resumes mid-epoch at the exact next index.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"))
+
+
+def _tensor_state(t: torch.Tensor) -> str:
+    return _b64(t.cpu().numpy().tobytes())
+
+
+def _state_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(_unb64(text)), dtype=torch.uint8).clone()
+
+
+def capture_rng() -> dict[str, Any]:
+    """The python, numpy, torch (and cuda, when present) generator states."""
+    version, internal, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "numpy": {"name": np_name, "keys": _b64(np.asarray(np_keys, dtype=np.uint32).tobytes()),
+                  "pos": int(np_pos), "has_gauss": int(np_has_gauss),
+                  "cached_gaussian": float(np_gauss)},
+        "torch": _tensor_state(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_tensor_state(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> list[str]:
+    """Restore what ``state`` holds; return the generators it could not restore."""
+    skipped: list[str] = []
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    n = state["numpy"]
+    keys = np.frombuffer(_unb64(n["keys"]), dtype=np.uint32).copy()
+    np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(_state_tensor(state["torch"]))
+    if "cuda" in state:
+        if torch.cuda.is_available():
+            cuda_states = [_state_tensor(s) for s in state["cuda"]]
+            if len(cuda_states) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(cuda_states)
+            else:
+                skipped.append(f"cuda (saved {len(cuda_states)} devices, "
+                               f"found {torch.cuda.device_count()})")
+        else:
+            skipped.append("cuda (no CUDA device here)")
+    return skipped
+
+
+class ResumableSampler:
+    """Shuffled indices over ``size`` items, one permutation per epoch, resumable.
+
+    The permutation of epoch ``e`` depends only on ``(seed, e)``; ``state_dict()``
+    records the epoch and the number of indices already yielded, so a restored
+    sampler continues with exactly the next index.
+    """
+
+    def __init__(self, size: int, *, seed: int = 0, shuffle: bool = True) -> None:
+        if size <= 0:
+            raise ValueError(f"size must be positive, got {size}")
+        self.size = size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.offset = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.size))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.size, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            order = self._order(self.epoch)
+            while self.offset < self.size:
+                idx = order[self.offset]
+                self.offset += 1
+                yield idx
+            self.epoch += 1
+            self.offset = 0
+
+    def next_batch(self, batch_size: int) -> list[int]:
+        it = iter(self)
+        return [next(it) for _ in range(batch_size)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
+                "size": self.size, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["size"] != self.size or state["seed"] != self.seed:
+            raise ValueError(
+                f"sampler state is for size={state['size']} seed={state['seed']}, this sampler "
+                f"has size={self.size} seed={self.seed}")
+        self.epoch = int(state["epoch"])
+        self.offset = int(state["offset"])
+        self.shuffle = bool(state["shuffle"])

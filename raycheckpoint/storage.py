@@ -1,0 +1,344 @@
+"""Storage: the one place raycheckpoint touches bytes on fsspec filesystems.
+
+Paths given to :class:`Storage` are relative to its root (``step_00000010/actor/x``);
+the root is any fsspec URI (``/abs/dir``, ``file://``, ``memory://``, ``s3://bucket/p``).
+
+Atomicity lives here and nowhere else:
+
+* :meth:`Storage.write_pointer` replaces a small object atomically: on POSIX a temp
+  file is written, fsynced and ``os.replace``d; on object stores it is one PUT.
+* :meth:`Storage.create_marker` creates a file that must not exist yet: on POSIX
+  through a fsynced temp file and ``os.link`` (fails if the target exists); on S3 a
+  conditional PUT (``IfNoneMatch: *``); readers therefore never see a half marker.
+* Nothing ever calls ``fs.mv`` or ``fs.transaction`` (copy + delete on object stores).
+
+Every write goes through a :class:`HashingWriter`, which streams, counts and sha256s
+the bytes, so a file's checksum never needs a second read.  Instances are not
+picklable; ship a :class:`StorageSpec` to other processes and ``open()`` it there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from raycheckpoint._internal import faults
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A written file: path relative to the storage root, byte size and sha256 (hex)."""
+
+    path: str
+    size: int
+    sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "sha256": self.sha256}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FileEntry:
+        return cls(path=d["path"], size=int(d["size"]), sha256=d["sha256"])
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """A picklable description of a storage root; ``open()`` builds the Storage."""
+
+    uri: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def open(self) -> Storage:
+        return Storage(self.uri, self.options)
+
+    def child(self, name: str) -> StorageSpec:
+        return StorageSpec(self.uri.rstrip("/") + "/" + name, self.options)
+
+
+class HashingWriter:
+    """A write-only stream that hashes and counts what passes through it.
+
+    Supports ``write``, ``tell`` and ``close``; ``entry`` is set once closed.  On
+    POSIX the file is fsynced before ``close`` returns.
+    """
+
+    def __init__(self, storage: Storage, rel: str) -> None:
+        self._storage = storage
+        self.rel = rel
+        self._hash = hashlib.sha256()
+        self._pos = 0
+        self.entry: FileEntry | None = None
+        full = storage.full_path(rel)
+        if storage.is_posix:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            self._f = open(full, "wb")  # noqa: SIM115 - closed in close()
+        else:
+            self._f = storage.fs.open(full, "wb")
+
+    def write(self, data) -> int:
+        mv = memoryview(data).cast("B")
+        faults.check("storage.write", path=self.rel)
+        self._f.write(mv)
+        self._hash.update(mv)
+        self._pos += mv.nbytes
+        return mv.nbytes
+
+    def tell(self) -> int:
+        return self._pos
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        if self._storage.is_posix:
+            self._f.flush()
+
+    def close(self) -> FileEntry:
+        if self.entry is None:
+            if self._storage.is_posix:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            self._f.close()
+            self.entry = FileEntry(self.rel, self._pos, self._hash.hexdigest())
+        return self.entry
+
+    def abort(self) -> None:
+        """Close without committing the object (object stores drop the upload)."""
+        try:
+            if hasattr(self._f, "discard"):
+                self._f.discard()
+            else:
+                self._f.close()
+        except Exception:  # noqa: BLE001 - best effort cleanup of a failed write
+            pass
+
+    def __enter__(self) -> HashingWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class Storage:
+    """Byte-level access to one checkpoint root over fsspec."""
+
+    def __init__(self, uri: str, options: dict[str, Any] | None = None) -> None:
+        self.uri = uri
+        self.options = dict(options or {})
+        self.fs, root = fsspec.core.url_to_fs(uri, **self.options)
+        self.is_posix = isinstance(self.fs, LocalFileSystem)
+        self.root = root.rstrip("/") if root != "/" else root
+        self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        if self.is_posix:
+            os.makedirs(self.root, exist_ok=True)
+
+    @property
+    def spec(self) -> StorageSpec:
+        return StorageSpec(self.uri, self.options)
+
+    @property
+    def is_process_local(self) -> bool:
+        """True when other processes cannot see this storage (``memory://``)."""
+        return self.protocol == "memory"
+
+    def full_path(self, rel: str) -> str:
+        return posixpath.join(self.root, rel) if rel else self.root
+
+    def url(self, rel: str = "") -> str:
+        """A URI other tools (torch's FileSystemReader, fsspec) can open."""
+        full = self.full_path(rel)
+        return full if self.is_posix else f"{self.protocol}://{full.lstrip('/')}"
+
+    # ---- writes -------------------------------------------------------------------------
+
+    def open_write(self, rel: str) -> HashingWriter:
+        return HashingWriter(self, rel)
+
+    def write_bytes(self, rel: str, data: bytes) -> FileEntry:
+        with self.open_write(rel) as w:
+            w.write(data)
+        return w.close()
+
+    def write_pointer(self, rel: str, data: bytes) -> None:
+        """Replace ``rel`` atomically with ``data`` (readers see old or new, never half)."""
+        faults.check("storage.pointer", path=rel)
+        full = self.full_path(rel)
+        if self.is_posix:
+            directory = os.path.dirname(full)
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, full)
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
+            _fsync_dir(directory)
+        else:
+            self.fs.pipe_file(full, data)  # one PUT replaces the object atomically
+
+    def create_marker(self, rel: str, data: bytes) -> None:
+        """Create ``rel`` holding ``data``; raise FileExistsError if it already exists."""
+        faults.check("storage.marker", path=rel)
+        full = self.full_path(rel)
+        if self.is_posix:
+            directory = os.path.dirname(full)
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, full)  # atomic, and fails if the marker exists
+            finally:
+                _unlink_quietly(tmp)
+            _fsync_dir(directory)
+        elif self.protocol in ("s3", "s3a"):
+            try:
+                self.fs.pipe_file(full, data, mode="create")
+            except FileExistsError:
+                raise
+            except OSError as e:
+                if "PreconditionFailed" in repr(e) or "412" in repr(e):
+                    raise FileExistsError(full) from e
+                raise
+        else:
+            if self.fs.exists(full):
+                raise FileExistsError(full)
+            self.fs.pipe_file(full, data)
+
+    def symlink(self, rel: str, target: str) -> None:
+        """POSIX only: point ``rel`` at ``target`` (relative), replaced atomically."""
+        if not self.is_posix:
+            return
+        full = self.full_path(rel)
+        tmp = f"{full}.tmp-{os.getpid()}"
+        _unlink_quietly(tmp)
+        os.symlink(target, tmp)
+        os.replace(tmp, full)
+
+    # ---- reads --------------------------------------------------------------------------
+
+    def read_bytes(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
+        full = self.full_path(rel)
+        if self.is_posix:
+            with open(full, "rb") as f:
+                if start:
+                    f.seek(start)
+                return f.read() if end is None else f.read(end - (start or 0))
+        if start is None and end is None:
+            return self.fs.cat_file(full)
+        return self.fs.cat_file(full, start=start, end=end)
+
+    def open_read(self, rel: str):
+        full = self.full_path(rel)
+        if self.is_posix:
+            return open(full, "rb")
+        return self.fs.open(full, "rb")
+
+    def exists(self, rel: str) -> bool:
+        full = self.full_path(rel)
+        if self.is_posix:
+            return os.path.lexists(full)
+        self.fs.invalidate_cache(full)
+        return self.fs.exists(full)
+
+    def size(self, rel: str) -> int:
+        full = self.full_path(rel)
+        if self.is_posix:
+            return os.stat(full).st_size
+        self.fs.invalidate_cache(full)
+        return int(self.fs.info(full)["size"])
+
+    def list_dir(self, rel: str = "") -> list[str]:
+        """Names of the immediate children of ``rel``; empty if it does not exist."""
+        full = self.full_path(rel)
+        if self.is_posix:
+            try:
+                return sorted(os.listdir(full))
+            except FileNotFoundError:
+                return []
+        self.fs.invalidate_cache(full)
+        try:
+            entries = self.fs.ls(full, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+
+    def list_files(self, rel: str = "") -> dict[str, int]:
+        """Every file below ``rel`` (recursive) as ``{path relative to root: size}``."""
+        full = self.full_path(rel)
+        if not self.is_posix:
+            self.fs.invalidate_cache(full)
+        try:
+            found = self.fs.find(full, detail=True)
+        except FileNotFoundError:
+            return {}
+        prefix = self.root.rstrip("/") + "/" if self.root != "/" else "/"
+        out = {}
+        for path, info in found.items():
+            if info.get("type") == "directory":
+                continue
+            p = path if path.startswith("/") or not self.root.startswith("/") else "/" + path
+            out[p[len(prefix):] if p.startswith(prefix) else path] = int(info.get("size") or 0)
+        return out
+
+    # ---- deletes ------------------------------------------------------------------------
+
+    def delete(self, rel: str) -> None:
+        """Delete one file; a missing file is not an error."""
+        faults.check("storage.delete", path=rel)
+        full = self.full_path(rel)
+        if self.is_posix:
+            _unlink_quietly(full)
+            return
+        try:
+            self.fs.rm_file(full)
+        except FileNotFoundError:
+            pass
+
+    def delete_tree(self, rel: str) -> None:
+        """Delete ``rel`` and everything below it; missing is not an error."""
+        faults.check("storage.delete", path=rel)
+        full = self.full_path(rel)
+        if self.is_posix:
+            if os.path.islink(full) or os.path.isfile(full):
+                _unlink_quietly(full)
+            elif os.path.exists(full):
+                shutil.rmtree(full)
+            return
+        self.fs.invalidate_cache(full)
+        try:
+            self.fs.rm(full, recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

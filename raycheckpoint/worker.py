@@ -1,0 +1,143 @@
+"""CheckpointableWorker: the worker half of the protocol, as a mixin for Ray actors.
+
+A worker class (any Ray actor holding a role's shard) inherits this mixin and
+implements four hooks:
+
+* ``ckpt_state_dict(kind)``: the tensors to save (``{"model": ..., "optim": ...}`` for
+  ``full``, ``{"model": ...}`` for ``light``); DTensors from FSDP2 are fine;
+* ``ckpt_load_state_dict(state, kind)``: apply a loaded state (same structure);
+* ``ckpt_extra_state()`` / ``ckpt_load_extra_state(extra)``: small msgpack-safe state
+  (LR scheduler, counters) saved per rank next to the rank's RNG.
+
+The driver-side :class:`~raycheckpoint.manager.CheckpointManager` calls the
+``ckpt_*`` remote methods below; a worker never decides what is committed.
+Call order: ``ckpt_setup`` once, then per save ``ckpt_snapshot`` (returns after the
+host copy), and per resume ``ckpt_load``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from raycheckpoint.dcp_io import VerifyingStorageReader, verify_bytes
+from raycheckpoint.errors import IntegrityError
+from raycheckpoint.format import unpack
+from raycheckpoint.snapshot import ShardSaver
+from raycheckpoint.state import capture_rng, restore_rng
+from raycheckpoint.storage import FileEntry, StorageSpec
+
+
+class CheckpointableWorker:
+    """Mixin giving a Ray actor the remote methods the checkpoint manager calls."""
+
+    ckpt_role: str
+    ckpt_rank: int
+    ckpt_world_size: int
+    _ckpt_saver: ShardSaver | None = None
+
+    # ---- hooks a worker implements ------------------------------------------------------
+
+    def ckpt_state_dict(self, kind: str) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} must implement ckpt_state_dict(kind)")
+
+    def ckpt_load_state_dict(self, state: dict[str, Any], kind: str) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement ckpt_load_state_dict(state, kind)")
+
+    def ckpt_extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def ckpt_load_extra_state(self, extra: dict[str, Any]) -> None:
+        return None
+
+    # ---- remote methods -----------------------------------------------------------------
+
+    def ckpt_setup(self, *, role: str, rank: int, world_size: int, storage: StorageSpec,
+                   process_group: dist.ProcessGroup | None = None,
+                   report_timeout_s: float = 300.0) -> None:
+        self.ckpt_role, self.ckpt_rank, self.ckpt_world_size = role, rank, world_size
+        if self._ckpt_saver is not None and self._ckpt_saver.storage_spec == storage:
+            return
+        if process_group is None and dist.is_initialized():
+            # DCP runs collectives from the persist thread: give it a group of its own so
+            # they never interleave with the training collectives on the default group
+            if getattr(self, "_ckpt_pg", None) is None:
+                self._ckpt_pg = dist.new_group(backend="gloo",
+                                               timeout=timedelta(seconds=report_timeout_s))
+            process_group = self._ckpt_pg
+        self._ckpt_saver = ShardSaver(role=role, rank=rank, world_size=world_size,
+                                      storage=storage, process_group=process_group,
+                                      report_timeout_s=report_timeout_s)
+
+    def _saver(self) -> ShardSaver:
+        if self._ckpt_saver is None:
+            raise RuntimeError(f"{type(self).__name__}: ckpt_setup() was not called")
+        return self._ckpt_saver
+
+    def ckpt_snapshot(self, save_id: str, step_dir: str, kind: str, coordinator: Any,
+                      wait_timeout_s: float = 1800.0) -> dict[str, Any]:
+        saver = self._saver()
+        saver.wait_previous(wait_timeout_s)  # the host buffers are reused: never overwrite a
+        state = self.ckpt_state_dict(kind)   # copy that is still being written
+        extra = None
+        if kind == "full":
+            extra = {"rng": capture_rng(), "state": self.ckpt_extra_state()}
+        return saver.snapshot(save_id=save_id, step_dir=step_dir, kind=kind, state=state,
+                              extra=extra, coordinator=coordinator, wait_timeout_s=wait_timeout_s)
+
+    def ckpt_wait(self, timeout: float = 1800.0) -> list[dict[str, Any]]:
+        """Wait for this worker's last persist; re-raise its error if it failed."""
+        saver = self._saver()
+        if saver.pending is None:
+            return []
+        return [f.to_dict() for f in saver.pending.wait(timeout)]
+
+    def ckpt_on_committed(self, name: str, step: int) -> None:
+        """Broadcast from the coordinator after a commit; a hook for subclasses."""
+        self.ckpt_last_committed = (name, step)
+
+    def ckpt_load(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Load this rank's part of a verified checkpoint (resharding if world size changed).
+
+        ``request`` keys: ``dcp_dir``, ``files`` (path -> entry dict, this role's files from
+        the manifest), ``check_sha``, ``kind`` (what to load: ``full`` or ``light``),
+        ``saved_world_size``, ``rng_file`` (path of this rank's extra state, or None).
+        """
+        saver = self._saver()
+        saver.wait_previous(request.get("wait_timeout_s", 1800.0))
+        expected = {p: FileEntry.from_dict(e) for p, e in request["files"].items()}
+        kind = request["kind"]
+        template = self.ckpt_state_dict(kind)
+        reader = VerifyingStorageReader(saver.storage, request["dcp_dir"], expected,
+                                        check_sha=request["check_sha"])
+        dcp.load(template, storage_reader=reader, process_group=saver.process_group)
+        self.ckpt_load_state_dict(template, kind)
+        skipped: list[str] = []
+        if kind == "full":
+            skipped += self._load_extra(saver, request, expected)
+        return {"role": self.ckpt_role, "rank": self.ckpt_rank, "skipped": skipped}
+
+    def _load_extra(self, saver: ShardSaver, request: dict[str, Any],
+                    expected: dict[str, FileEntry]) -> list[str]:
+        rel = request.get("rng_file")
+        if rel is None:
+            return [f"{self.ckpt_role}/{self.ckpt_rank}: no saved rank state"]
+        try:
+            data = saver.storage.read_bytes(rel)
+        except FileNotFoundError as e:
+            raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
+        verify_bytes(rel, data, expected.get(rel), check_sha=request["check_sha"])
+        extra = unpack(data)
+        self.ckpt_load_extra_state(extra.get("state") or {})
+        skipped = []
+        if request["saved_world_size"] == self.ckpt_world_size:
+            skipped += [f"{self.ckpt_role}/{self.ckpt_rank}: rng {s}"
+                        for s in restore_rng(extra["rng"])]
+        else:
+            skipped.append(f"{self.ckpt_role}/{self.ckpt_rank}: per-rank RNG (world size changed "
+                           f"{request['saved_world_size']} -> {self.ckpt_world_size})")
+        return skipped
