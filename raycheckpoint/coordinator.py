@@ -6,7 +6,9 @@ It is a plain class, run as a threaded Ray actor by the manager
 1. ``begin(step, kind, ...)`` reserves a step directory and the set of expected
    (role, rank) reports; a save still in flight is waited for first (bounded), so two
    saves of a job never interleave their commits.
-2. Workers call ``report(save_id, role, rank, files, error)`` from their persist threads.
+2. The driver calls ``snapshotted(save_id)`` once every worker holds its host copy; the
+   commit timeout counts from then.  Workers call ``report(save_id, role, rank, files,
+   error)`` from their persist threads.
 3. A commit thread per save waits for every report (timeout: ``commit_timeout_s``; the
    error names the missing pairs), then writes, in this order: ``trainer_state.json``,
    ``version.json``, ``manifest.msgpack``, ``COMMITTED``, ``LATEST`` (full only) and the
@@ -211,13 +213,24 @@ class CheckpointCoordinator:
             save = _Save(save_id=uuid.uuid4().hex[:12], name=name, step=step, kind=kind, tag=tag,
                          metrics=dict(metrics), trainer_state=dict(trainer_state),
                          world_sizes=dict(world_sizes), expected={tuple(e) for e in expected},
-                         deadline=time.time() + self.config.commit_timeout_s)
+                         # until the driver says every snapshot is taken (snapshotted()),
+                         # the snapshots themselves may wait for a previous persist
+                         deadline=time.time() + self.config.save_wait_timeout_s
+                         + self.config.commit_timeout_s)
             with self._cond:
                 self._saves[save.save_id] = save
                 self._last = save
         threading.Thread(target=self._run, args=(save,), daemon=True,
                          name=f"raycheckpoint-commit-{name}").start()
         return {"save_id": save.save_id, "name": name}
+
+    def snapshotted(self, save_id: str) -> None:
+        """Every worker has its host copy: the persist/commit timeout starts now."""
+        with self._cond:
+            save = self._saves.get(save_id)
+            if save is not None and save.status == "pending":
+                save.deadline = time.time() + self.config.commit_timeout_s
+                self._cond.notify_all()
 
     def report(self, save_id: str, role: str, rank: int, files: list[dict[str, Any]],
                error: str | None, persist_s: float | None = None) -> None:
@@ -338,7 +351,7 @@ class CheckpointCoordinator:
         s.create_marker(f"{name}/{COMMITTED}", marker.to_bytes())
         self._manifests[name] = manifest
         faults.check("coordinator.after_marker", path=name)
-        markers, _ = catalog.scan(s)
+        markers, uncommitted = catalog.scan(s)
         if save.kind == "full" and catalog.expected_latest(markers) == name:
             self._write_latest(name)
         if save.tag is not None:
@@ -347,9 +360,10 @@ class CheckpointCoordinator:
         faults.check("coordinator.catalog", path=name)
         s.write_pointer(CATALOG, json_bytes(catalog.catalog_doc(markers, tags)))
         deleted = self._apply_retention(markers, tags)
+        collected = self._collect_leftovers(uncommitted)
         committed_at = time.time()
         return {"name": name, "step": save.step, "kind": save.kind, "tag": save.tag,
-                "bytes": marker.bytes, "files": len(files), "deleted": deleted,
+                "bytes": marker.bytes, "files": len(files), "deleted": deleted, "collected": collected,
                 "persist_s": max(save.persist_s.values(), default=0.0),
                 "total_s": committed_at - save.started}
 

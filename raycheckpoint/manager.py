@@ -247,6 +247,7 @@ class CheckpointManager:
             self._coordinator.abort.remote(save_id, f"snapshot failed: {type(e).__name__}: {e}")
             raise CheckpointSaveError(f"snapshot for {name} failed: {type(e).__name__}: {e}",
                                       failures={"snapshot": repr(e)}) from e
+        self._coordinator.snapshotted.remote(save_id)
         handle = SaveHandle(self, save_id=save_id, name=name, step=step, kind=kind,
                             stall_s=time.perf_counter() - t0,
                             worker_stall_s=max(s["stall_s"] for s in snaps))
@@ -255,10 +256,17 @@ class CheckpointManager:
 
     def wait_for_saves(self, timeout: float | None = None) -> None:
         """Wait for every save in flight; raise the first failure not yet observed."""
+        first: BaseException | None = None
         for h in list(self._handles):
-            if h.save_id is not None:
+            self._handles.remove(h)
+            if h.observed and h.error is not None:
+                continue
+            try:
                 h.wait(timeout)
-        self._poll()
+            except RayCheckpointError as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     # ---- load -------------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from raycheckpoint._internal import faults
@@ -64,6 +65,18 @@ def tensor_bytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     return 0
+
+
+def describe_error(e: BaseException) -> str:
+    """One line naming the root cause; DCP's CheckpointException hides it per rank."""
+    failures = getattr(e, "failures", None)
+    if isinstance(e, CheckpointException) and failures:
+        parts = []
+        for rank, wrapped in sorted(failures.items()):
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
+        return f"{type(e).__name__}: " + "; ".join(parts)
+    return f"{type(e).__name__}: {e}"
 
 
 class PendingPersist:
@@ -156,7 +169,7 @@ class ShardSaver:
                 pending.persist_s), timeout=self.report_timeout_s)
         except BaseException as e:  # noqa: BLE001 - kept, reported and re-raised by wait()
             pending.error = e
-            text = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+            text = f"{describe_error(e)}\n{traceback.format_exc(limit=6)}"
             try:
                 ray.get(coordinator.report.remote(pending.save_id, self.role, self.rank, [], text,
                                                   None), timeout=self.report_timeout_s)

@@ -1,0 +1,83 @@
+"""Shared test fixtures: one local S3 server, one Ray instance and warm worker groups.
+
+Everything here is real: moto's S3 server on 127.0.0.1 reached through s3fs, a local
+Ray instance (never joining another cluster), and FSDP2 worker groups on gloo.  They
+are session-scoped and reused, and every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+
+import pytest
+
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+
+RPC_TIMEOUT = 120
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="ckpt")
+    yield {"endpoint": endpoint,
+           "options": {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}}
+    server.stop()
+
+
+@pytest.fixture
+def s3_root(s3_server):
+    """A fresh prefix in the test bucket, with the s3fs options to reach it."""
+    return f"s3://ckpt/{uuid.uuid4().hex[:10]}", s3_server["options"]
+
+
+@pytest.fixture(scope="session")
+def ray_session(s3_server):
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="rcray-", dir="/tmp")  # short: Ray's sockets live here
+    ray.init(address="local", _temp_dir=temp, include_dashboard=False,
+             object_store_memory=256 * 1024 * 1024, num_cpus=8, log_to_driver=False,
+             configure_logging=False)
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def _group(ray_session, world_size: int, **kwargs):
+    from workers import FSDPTrainWorker, create_worker_group
+
+    return create_worker_group(FSDPTrainWorker, role="actor", world_size=world_size,
+                               timeout_s=RPC_TIMEOUT, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def group2(ray_session):
+    return _group(ray_session, 2)
+
+
+@pytest.fixture(scope="session")
+def group4(ray_session):
+    return _group(ray_session, 4)
+
+
+@pytest.fixture(scope="session")
+def group3(ray_session):
+    return _group(ray_session, 3)
+
+
+@pytest.fixture
+def local_root(tmp_path):
+    return str(tmp_path / "ckpts")

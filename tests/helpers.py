@@ -1,0 +1,61 @@
+"""Helpers shared by the Ray integration tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+import torch
+
+from raycheckpoint import CheckpointConfig, CheckpointManager
+
+RPC_TIMEOUT = 120
+
+
+def train(group: list[Any], seeds) -> list[float]:
+    losses = []
+    for seed in seeds:
+        losses = ray.get([w.train_step.remote(seed) for w in group], timeout=RPC_TIMEOUT)
+    return losses
+
+
+def full_state(group: list[Any]) -> dict[str, Any]:
+    return ray.get([w.full_state.remote() for w in group], timeout=RPC_TIMEOUT)[0]
+
+
+def weights_sha(group: list[Any]) -> str:
+    return ray.get([w.weights_sha256.remote() for w in group], timeout=RPC_TIMEOUT)[0]
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Bitwise equality of nested state (tensors compared with torch.equal)."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), f"{path}: keys differ {set(a) ^ set(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}/{i}")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), f"{path}: tensors differ"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def manager(root: str, groups: dict[str, list[Any]], options: dict | None = None,
+            **kwargs: Any) -> CheckpointManager:
+    settings = {"commit_timeout_s": 60, "save_wait_timeout_s": 120, "rpc_timeout_s": RPC_TIMEOUT,
+                **kwargs.pop("config", {})}
+    cfg = CheckpointConfig(save_dir=root, storage_options=options or {}, **settings)
+    return CheckpointManager(cfg, groups, **kwargs)
+
+
+def arm(group: list[Any], point: str, action: str = "raise", ranks=None) -> None:
+    targets = group if ranks is None else [group[r] for r in ranks]
+    ray.get([w.arm_fault.remote(point, action) for w in targets], timeout=RPC_TIMEOUT)
+
+
+def disarm(group: list[Any]) -> None:
+    ray.get([w.disarm_faults.remote() for w in group], timeout=RPC_TIMEOUT)

@@ -1,0 +1,283 @@
+"""Ray integration: FSDP2 worker groups on gloo, the coordinator actor, real storage."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from raycheckpoint import (
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    CommitTimeoutError,
+    ConfigMismatchError,
+    IntegrityError,
+    LightCheckpointError,
+    ResumableSampler,
+    Storage,
+    verify_checkpoint,
+)
+from raycheckpoint.format import COMMITTED, LATEST
+from tests.helpers import arm, assert_same, disarm, full_state, manager, train, weights_sha
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_round_trip_is_bitwise(backend, group2, local_root, request):
+    root, options = (local_root, {}) if backend == "local" else request.getfixturevalue("s3_root")
+    sampler = ResumableSampler(100, seed=1)
+    m = manager(root, {"actor": group2}, options, dataloader=sampler, fingerprint={"lr": 1e-3})
+    try:
+        train(group2, range(3))
+        sampler.next_batch(13)
+        m.update(step=3, epoch=0, metrics={"reward": 0.5})
+        h = m.save_checkpoint()
+        assert h.stall_s < 30
+        result = h.wait(120)
+        assert result["name"] == "step_00000003" and result["bytes"] > 0
+        saved = full_state(group2)
+        sampler_state = sampler.state_dict()
+        probe = [w.rng_probe.remote() for w in group2]
+        import ray
+
+        probe = ray.get(probe, timeout=60)
+
+        train(group2, range(3, 6))  # move on, then come back
+        sampler.next_batch(40)
+        loaded = m.load_checkpoint("latest")
+        assert loaded.step == 3 and loaded.metrics == {"reward": 0.5} and loaded.resharded == {}
+        assert_same(saved, full_state(group2))
+        assert sampler.state_dict() == sampler_state
+        assert ray.get([w.rng_probe.remote() for w in group2], timeout=60) == probe
+        assert m.global_step == 3
+
+        stats = m.checkpoint_stats
+        assert stats[-1]["ok"] and stats[-1]["bytes"] == result["bytes"]
+        assert stats[-1]["stall_s"] <= stats[-1]["total_s"] + stats[-1]["stall_s"]
+        st = Storage(root, options)
+        assert st.read_bytes(LATEST).decode().strip() == "step_00000003"
+        assert verify_checkpoint(st, "step_00000003")["files"] >= 6
+    finally:
+        m.close(60)
+
+
+def test_resume_continues_exactly(group2, local_root):
+    """k steps + save + (more steps) + load + resume to N == N steps straight."""
+    m = manager(local_root, {"actor": group2})
+    try:
+        train(group2, range(2))
+        m.update(step=2)
+        m.save_checkpoint().wait(120)
+        train(group2, range(2, 6))
+        straight = weights_sha(group2)
+        train(group2, range(6, 9))  # the "crashed" run went further and was lost
+        assert m.load_checkpoint("auto").step == 2
+        train(group2, range(2, 6))
+        assert weights_sha(group2) == straight
+    finally:
+        m.close(60)
+
+
+@pytest.mark.parametrize("target", ["group2", "group3"])
+def test_reshard_from_4_ranks(target, group4, local_root, request):
+    dst = request.getfixturevalue(target)
+    src = manager(local_root, {"actor": group4})
+    try:
+        train(group4, range(2))
+        src.update(step=7)
+        src.save_checkpoint().wait(120)
+        saved = full_state(group4)
+    finally:
+        src.close(60)
+    m = manager(local_root, {"actor": dst})
+    try:
+        loaded = m.load_checkpoint(7)
+        assert loaded.resharded == {"actor": (4, len(dst))}
+        assert any("world size changed" in s for s in loaded.skipped)
+        got = full_state(dst)
+        assert_same(saved["model"], got["model"])
+        assert_same(saved["optim"], got["optim"])
+        assert saved["sched"] == got["sched"]
+    finally:
+        m.close(60)
+
+
+def test_retention_over_many_saves(group2, local_root):
+    m = manager(local_root, {"actor": group2},
+                config={"keep_last_n": 2, "keep_last_n_light": 2, "keep_best_n": 2,
+                        "best_metric": "reward", "best_mode": "max"})
+    rewards = {}
+    try:
+        for step in range(1, 25):
+            kind = "full" if step % 3 == 0 else "light"
+            reward = [0.1, 0.9, 0.3, 0.8, 0.2, 0.4][step % 6] + step / 1000
+            rewards[step] = reward
+            tag = "milestone" if step == 4 else None
+            m.update(step=step, metrics={"reward": reward})
+            m.save_checkpoint(tag=tag, kind=kind).wait(120)
+        cat = m.catalog()
+    finally:
+        m.close(60)
+    names = {e["name"] for e in cat["checkpoints"]}
+    full = sorted(s for s in range(1, 25) if s % 3 == 0)
+    light = sorted(s for s in range(1, 25) if s % 3)
+    best2 = sorted(rewards, key=rewards.get, reverse=True)[:2]
+    expected = {f"step_{s:08d}" for s in full[-2:] + light[-2:] + best2 + [4]}
+    assert names == expected
+    assert cat["latest"] == "step_00000024" and cat["tags"] == {"milestone": "step_00000004"}
+    # storage holds exactly the kept checkpoints, and each verifies
+    st = Storage(local_root)
+    assert {n for n in st.list_dir("") if n.startswith("step_")} == expected
+    for name in expected:
+        verify_checkpoint(st, name)
+
+    # retention state is on storage: a new coordinator with tighter rules applies them
+    m2 = manager(local_root, {"actor": group2}, config={"keep_last_n": 1, "keep_last_n_light": 1})
+    try:
+        names2 = {e["name"] for e in m2.catalog()["checkpoints"]}
+    finally:
+        m2.close(60)
+    assert names2 == {"step_00000024", "step_00000023", "step_00000004"}
+
+
+def test_worker_failure_aborts_and_training_continues(group2, local_root):
+    m = manager(local_root, {"actor": group2})
+    try:
+        m.update(step=1)
+        m.save_checkpoint().wait(120)
+        arm(group2, "storage.write@actor/__1_", "raise", ranks=[1])
+        try:
+            m.update(step=2)
+            h = m.save_checkpoint()
+            with pytest.raises(CheckpointSaveError, match="injected fault") as err:
+                h.wait(120)
+            assert "actor/1" in err.value.failures or "actor/0" in err.value.failures
+        finally:
+            disarm(group2)
+        st = Storage(local_root)
+        assert not st.exists(f"step_00000002/{COMMITTED}")
+        assert st.read_bytes(LATEST).decode().strip() == "step_00000001"
+        train(group2, [5])  # training goes on
+        m.update(step=3)
+        assert m.save_checkpoint().wait(120)["name"] == "step_00000003"
+        assert not st.exists("step_00000002")  # the aborted save's leftovers were collected
+        assert [s["ok"] for s in m.checkpoint_stats] == [True, False, True]
+    finally:
+        m.close(60)
+
+
+def test_barrier_timeout_names_missing_rank(group2, local_root):
+    m = manager(local_root, {"actor": group2}, config={"commit_timeout_s": 4})
+    try:
+        m.update(step=1)
+        m.save_checkpoint().wait(120)
+        arm(group2, "worker.before_report", "hang:10", ranks=[1])
+        try:
+            m.update(step=2)
+            with pytest.raises(CommitTimeoutError, match=r"\('actor', 1\)") as err:
+                m.save_checkpoint().wait(120)
+            assert err.value.missing == [("actor", 1)]
+        finally:
+            disarm(group2)
+        assert Storage(local_root).read_bytes(LATEST).decode().strip() == "step_00000001"
+        m.update(step=3)
+        assert m.save_checkpoint().wait(120)["name"] == "step_00000003"
+    finally:
+        m.close(60)
+
+
+def test_bad_references_and_light_checkpoints(group2, local_root):
+    m = manager(local_root, {"actor": group2}, fingerprint={"algo": "grpo", "n": 4})
+    try:
+        assert m.load_checkpoint("auto") is None  # empty root: a fresh start
+        m.update(step=1)
+        m.save_checkpoint(tag="first").wait(120)
+        m.update(step=2)
+        m.save_checkpoint(kind="light").wait(120)
+        with pytest.raises(CheckpointNotFoundError, match="step_00000001 \\(full\\)") as e:
+            m.load_checkpoint("nope")
+        assert "first -> step_00000001" in str(e.value)
+        with pytest.raises(CheckpointNotFoundError):
+            m.load_checkpoint(99)
+        with pytest.raises(LightCheckpointError, match="load_model_weights"):
+            m.load_checkpoint(2)
+        train(group2, [1])
+        assert m.load_model_weights(2).kind == "light"
+        assert m.load_checkpoint("first").step == 1
+        assert m.load_checkpoint(os.path.join(local_root, "step_00000001")).step == 1
+        # a save at a step that is already committed returns it (and can add a tag)
+        again = m.save_checkpoint(tag="again", step=1)
+        assert again.wait(1)["existing"] and m.catalog()["tags"]["again"] == "step_00000001"
+        # a full save at a step that holds a light checkpoint gets its own directory
+        assert m.save_checkpoint(step=2).wait(120)["name"] == "step_00000002_full"
+    finally:
+        m.close(60)
+    other = manager(local_root, {"actor": group2}, fingerprint={"algo": "gae", "n": 8})
+    try:
+        with pytest.raises(ConfigMismatchError) as e:
+            other.load_checkpoint("first")
+        assert [d[0] for d in e.value.differences] == ["algo", "n"]
+        assert "algo: saved 'grpo', now 'gae'" in str(e.value)
+        assert other.load_checkpoint("first", strict=False).skipped
+    finally:
+        other.close(60)
+
+
+def test_corruption_is_detected_and_auto_falls_back(group2, local_root):
+    m = manager(local_root, {"actor": group2})
+    try:
+        for step in (1, 2, 3):
+            train(group2, [step])
+            m.update(step=step)
+            m.save_checkpoint().wait(120)
+        shard = os.path.join(local_root, "step_00000003", "actor", "__1_0.distcp")
+        with open(shard, "r+b") as f:  # flip one bit in the middle of a shard
+            f.seek(os.path.getsize(shard) // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x01]))
+        with pytest.raises(IntegrityError, match=re.escape("step_00000003/actor/__1_0.distcp")):
+            m.load_checkpoint(3)
+        with pytest.warns(RuntimeWarning, match="step_00000003"):
+            assert m.load_checkpoint("auto").step == 2
+        # truncation and deletion are caught before any worker reads
+        shard2 = os.path.join(local_root, "step_00000002", "actor", "__0_0.distcp")
+        with open(shard2, "r+b") as f:
+            f.truncate(100)
+        with pytest.raises(IntegrityError, match=re.escape("step_00000002/actor/__0_0.distcp")):
+            m.load_checkpoint(2)
+        os.remove(os.path.join(local_root, "step_00000001", "actor", ".metadata"))
+        with pytest.raises(IntegrityError, match=re.escape("step_00000001/actor/.metadata")):
+            m.load_checkpoint(1)
+        with pytest.raises(CheckpointNotFoundError, match="no committed full checkpoint verifies"), \
+                pytest.warns(RuntimeWarning):
+            m.load_checkpoint("auto")
+    finally:
+        m.close(60)
+
+
+def test_catalog_and_latest_rebuilt_from_markers(group2, local_root):
+    m = manager(local_root, {"actor": group2})
+    try:
+        for step in (1, 2):
+            m.update(step=step)
+            m.save_checkpoint(kind="full" if step == 1 else "light").wait(120)
+    finally:
+        m.close(60)
+    st = Storage(local_root)
+    before = json.loads(st.read_bytes("catalog.json"))
+    st.delete("catalog.json")
+    st.delete(LATEST)
+    st.write_bytes("step_00000009/actor/__0_0.distcp", b"half-written leftover")
+    m2 = manager(local_root, {"actor": group2})
+    try:
+        assert m2.catalog()["checkpoints"] == before["checkpoints"]
+        assert json.loads(st.read_bytes("catalog.json")) == before
+        assert st.read_bytes(LATEST).decode().strip() == "step_00000001"
+        assert not st.exists("step_00000009")
+        assert m2.load_checkpoint("latest").step == 1
+    finally:
+        m2.close(60)

@@ -1,0 +1,137 @@
+"""Unit tests without Ray: config, format, retention, errors, RNG and sampler state."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from raycheckpoint import (
+    CheckpointConfig,
+    CommitTimeoutError,
+    IntegrityError,
+    ResumableSampler,
+    capture_rng,
+    restore_rng,
+)
+from raycheckpoint.format import Manifest, Marker, RoleLayout, parse_step_dir, step_dir_name, validate_tag
+from raycheckpoint.resume import check_version, config_diff
+from raycheckpoint.retention import RetentionPolicy
+from raycheckpoint.storage import FileEntry
+
+
+def test_config_accepts_seed_and_verl_names():
+    cfg = CheckpointConfig.from_dict({
+        "save_dir": "/tmp/x", "save_interval": 200, "save_full_interval": 1000,
+        "keep_last_n": 2, "keep_best_n": 3, "save_on_train_end": True})
+    assert (cfg.save_interval, cfg.save_full_interval, cfg.keep_last_n, cfg.keep_best_n) == \
+        (200, 1000, 2, 3)
+    cfg = CheckpointConfig.from_dict({"trainer.default_local_dir": "s3://b/p",
+                                      "trainer.save_freq": 20, "trainer.resume_mode": "resume_path",
+                                      "trainer.resume_from_path": "/x/step_00000020"})
+    assert cfg.save_dir == "s3://b/p" and cfg.save_full_interval == 20
+    assert cfg.resume_mode == "path" and cfg.resume_from == "/x/step_00000020"
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="literal secret"):
+        CheckpointConfig(save_dir="/x", encryption_key="your-secret-key-32-bytes")
+    with pytest.raises(ValueError, match="keep_last_n"):
+        CheckpointConfig(save_dir="/x", keep_last_n=0)
+    with pytest.raises(ValueError, match="unknown checkpoint option"):
+        CheckpointConfig.from_dict({"save_dir": "/x", "keep_last": 3})
+    with pytest.raises(ValueError, match="best_mode"):
+        CheckpointConfig(save_dir="/x", best_mode="up")
+    CheckpointConfig(save_dir="/x", encryption_key="env:CKPT_KEY")
+
+
+def test_step_names_and_tags():
+    assert step_dir_name(1000) == "step_00001000"
+    assert parse_step_dir("step_00001000") == 1000
+    assert parse_step_dir("step_00001000_full") == 1000
+    assert parse_step_dir("latest") is None
+    validate_tag("reward_0.85_baseline")
+    for bad in ("", "latest", "a/b", "step_00000001", ".hidden"):
+        with pytest.raises(ValueError):
+            validate_tag(bad)
+
+
+def test_manifest_and_marker_roundtrip():
+    files = {"s/a": FileEntry("s/a", 3, "ab" * 32)}
+    m = Manifest(name="s", step=5, kind="full", files=files,
+                 roles={"actor": RoleLayout(world_size=2, dcp_dir="s/actor", ranks={0: ["s/a"]})})
+    m2 = Manifest.from_bytes(m.to_bytes())
+    assert m2.files == files and m2.roles["actor"].ranks == {0: ["s/a"]} and m2.total_bytes == 3
+    mk = Marker(name="s", step=5, kind="full", manifest_size=10, manifest_sha256="x", bytes=13,
+                metrics={"reward": 0.5}, tag="t")
+    assert Marker.from_bytes(mk.to_bytes()) == mk
+
+
+def test_errors_survive_pickling():
+    e = CommitTimeoutError("missing ranks", missing=[("actor", 1)])
+    e2 = pickle.loads(pickle.dumps(e))
+    assert type(e2) is CommitTimeoutError and e2.missing == [("actor", 1)]
+    assert isinstance(e2, TimeoutError) and str(e2) == "missing ranks"
+    i = pickle.loads(pickle.dumps(IntegrityError("bad", path="p")))
+    assert isinstance(i, ValueError) and i.path == "p"
+
+
+def _entry(name, step, kind, reward=None, t=0.0):
+    return {"name": name, "step": step, "kind": kind, "committed_at": t,
+            "metrics": {} if reward is None else {"reward": reward}}
+
+
+def test_retention_rules():
+    entries = [_entry(f"f{s}", s, "full", reward=r) for s, r in
+               [(10, 0.9), (20, 0.1), (30, 0.2), (40, 0.3), (50, 0.4)]]
+    entries += [_entry(f"l{s}", s, "light") for s in (5, 15, 25, 35)]
+    p = RetentionPolicy(keep_last_n=2, keep_last_n_light=1, keep_best_n=1)
+    doomed = p.to_delete(entries, protected={"f20"})
+    # f50, f40 newest; f10 best; f20 protected (tag); l35 newest light
+    assert doomed == ["l5", "l15", "l25", "f30"]  # oldest first
+    # nothing governed -> nothing deleted
+    assert RetentionPolicy().to_delete(entries, protected=set()) == []
+    # min mode keeps the lowest
+    p = RetentionPolicy(keep_last_n=1, keep_best_n=1, best_mode="min")
+    assert "f20" not in p.to_delete(entries, protected=set())
+
+
+def test_retention_always_keeps_newest_full():
+    entries = [_entry("f1", 1, "full"), _entry("f2", 2, "full")]
+    assert RetentionPolicy(keep_last_n=1).to_delete(entries, protected=set()) == ["f1"]
+
+
+def test_config_diff_lists_every_difference():
+    diffs = config_diff({"algo": "grpo", "rollout": {"n": 4}, "kl": 0.1},
+                        {"algo": "gae", "rollout": {"n": 4}, "seed": 1})
+    assert diffs == [("algo", "grpo", "gae"), ("kl", 0.1, None), ("seed", None, 1)]
+
+
+def test_version_check():
+    assert check_version({"format_version": 1, "compatible_since": 1}, "x") == []
+    with pytest.raises(ValueError, match="Upgrade raycheckpoint"):
+        check_version({"format_version": 9, "compatible_since": 9, "library_version": "9.0"}, "x")
+
+
+def test_rng_roundtrip():
+    state = capture_rng()
+    a = (random.random(), np.random.rand(), torch.rand(()).item())
+    random.random(), np.random.rand(), torch.rand(3)
+    assert restore_rng(state) == []
+    assert (random.random(), np.random.rand(), torch.rand(()).item()) == a
+
+
+def test_sampler_resumes_mid_epoch():
+    s = ResumableSampler(10, seed=3)
+    first = s.next_batch(7)
+    state = s.state_dict()
+    rest = s.next_batch(8)  # crosses into epoch 1
+    s2 = ResumableSampler(10, seed=3)
+    s2.load_state_dict(state)
+    assert s2.next_batch(8) == rest
+    assert sorted(first + rest[:3]) == list(range(10))
+    with pytest.raises(ValueError, match="seed"):
+        ResumableSampler(10, seed=4).load_state_dict(state)
