@@ -17,6 +17,7 @@ The saver knows nothing of commits: it writes files and reports them.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import traceback
@@ -26,7 +27,7 @@ import ray
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
@@ -53,6 +54,26 @@ def _signature(obj: Any, prefix: str = "") -> list[tuple]:
     if isinstance(obj, torch.Tensor):
         return [(prefix, "t", tuple(obj.shape), obj.dtype)]
     return [(prefix, type(obj).__name__)]
+
+
+def _restage(src: Any, buf: Any, *, non_blocking: bool) -> Any:
+    """Copy ``src``'s tensors into the reused buffers ``buf``; copy everything else anew.
+
+    Non-tensor leaves (learning rates in optimizer param groups, step counters) change
+    between saves too, so they are never taken from the buffers of an earlier save.
+    """
+    if isinstance(src, dict):
+        return {k: _restage(v, buf[k], non_blocking=non_blocking) for k, v in src.items()}
+    if isinstance(src, (list, tuple)):
+        return type(src)(_restage(v, b, non_blocking=non_blocking)
+                         for v, b in zip(src, buf, strict=True))
+    if isinstance(src, DTensor):
+        buf.to_local().copy_(src.to_local(), non_blocking=non_blocking)
+        return buf
+    if isinstance(src, torch.Tensor):
+        buf.copy_(src, non_blocking=non_blocking)
+        return buf
+    return copy.deepcopy(src)
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -123,10 +144,10 @@ class ShardSaver:
         if cached is None or cached[0] != sig:
             cached = (sig, _create_cpu_state_dict(state, pin_memory=self.pin_memory))
             self._buffers[kind] = cached
-        _copy_state_dict(state, cached[1], non_blocking=self.pin_memory)
+        staged = _restage(state, cached[1], non_blocking=self.pin_memory)
         if self.pin_memory:
             torch.cuda.synchronize()
-        return cached[1]
+        return staged
 
     def wait_previous(self, timeout: float) -> None:
         """Wait for the previous persist; its error was already reported to the coordinator."""

@@ -31,7 +31,10 @@ def test_round_trip_is_bitwise(backend, group2, local_root, request):
     sampler = ResumableSampler(100, seed=1)
     m = manager(root, {"actor": group2}, options, dataloader=sampler, fingerprint={"lr": 1e-3})
     try:
-        train(group2, range(3))
+        train(group2, range(2))
+        m.update(step=2)
+        m.save_checkpoint().wait(120)  # the second save reuses this one's host buffers
+        train(group2, [2])
         sampler.next_batch(13)
         m.update(step=3, epoch=0, metrics={"reward": 0.5})
         h = m.save_checkpoint()
@@ -68,9 +71,10 @@ def test_resume_continues_exactly(group2, local_root):
     """k steps + save + (more steps) + load + resume to N == N steps straight."""
     m = manager(local_root, {"actor": group2})
     try:
-        train(group2, range(2))
-        m.update(step=2)
-        m.save_checkpoint().wait(120)
+        for step in (1, 2):  # two saves through the same reused buffers, LR changing
+            train(group2, [step - 1])
+            m.update(step=step)
+            m.save_checkpoint().wait(120)
         train(group2, range(2, 6))
         straight = weights_sha(group2)
         train(group2, range(6, 9))  # the "crashed" run went further and was lost

@@ -1,0 +1,1 @@
+"""Training drivers (``python -m drivers.<name>``; also runnable under ``ray job submit``)."""
