@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import (
     LoadPlan,
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint import (
     StorageReader,
     StorageWriter,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
@@ -154,6 +156,7 @@ class VerifyingStorageReader(StorageReader):
         self.expected = expected
         self.check_sha = check_sha
         self.storage_data: dict[Any, Any] = {}
+        self._metadata: Metadata | None = None
 
     def _read_verified(self, rel: str) -> bytes:
         try:
@@ -167,11 +170,13 @@ class VerifyingStorageReader(StorageReader):
         self.storage_data = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        data = self._read_verified(f"{self.dcp_dir}/{DCP_METADATA}")
-        metadata = pickle.loads(data)  # noqa: S301 - sha256 verified against the manifest
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        return metadata
+        if self._metadata is None:
+            data = self._read_verified(f"{self.dcp_dir}/{DCP_METADATA}")
+            metadata = pickle.loads(data)  # noqa: S301 - sha256 verified against the manifest
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            self._metadata = metadata
+        return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -216,3 +221,21 @@ class VerifyingStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return False
+
+
+def load_verified(state: dict[str, Any], reader: VerifyingStorageReader, *,
+                  process_group: Any = None, no_dist: bool = False) -> None:
+    """``dcp.load`` into ``state``; an IntegrityError on any rank is raised as itself.
+
+    DCP wraps each rank's failure in a CheckpointException; unwrapping lets callers (and
+    ``"auto"`` resume) tell corruption from other failures.
+    """
+    reader.read_metadata()  # verified here, where DCP cannot turn its error into another
+    try:
+        dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=no_dist)
+    except CheckpointException as e:
+        for wrapped in e.failures.values():
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            if isinstance(inner, IntegrityError):
+                raise inner from e
+        raise

@@ -21,10 +21,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
-from raycheckpoint.dcp_io import VerifyingStorageReader, verify_bytes
+from raycheckpoint.dcp_io import VerifyingStorageReader, load_verified, verify_bytes
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.format import unpack
 from raycheckpoint.snapshot import ShardSaver
@@ -115,16 +113,7 @@ class CheckpointableWorker:
         template = self.ckpt_state_dict(kind)
         reader = VerifyingStorageReader(saver.storage, request["dcp_dir"], expected,
                                         check_sha=request["check_sha"])
-        try:
-            dcp.load(template, storage_reader=reader, process_group=saver.process_group)
-        except CheckpointException as e:
-            # DCP wraps each rank's error; surface an IntegrityError as itself so callers
-            # (and "auto" resume) can tell corruption from other failures
-            for wrapped in e.failures.values():
-                inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-                if isinstance(inner, IntegrityError):
-                    raise inner from e
-            raise
+        load_verified(template, reader, process_group=saver.process_group)
         self.ckpt_load_state_dict(template, kind)
         skipped: list[str] = []
         if kind == "full":
