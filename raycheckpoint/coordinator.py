@@ -93,15 +93,29 @@ class CheckpointCoordinator:
         self._last: _Save | None = None
         self._workers: list[Any] = []
         self._manifests: dict[str, Manifest] = {}
+        # caches of what storage holds, loaded by _sync() and kept current by this actor
+        # (the only writer of the root), so a commit costs O(1) metadata reads
+        self._markers: dict[str, Marker] = {}
+        self._tags: dict[str, str] = {}
         self.recovery = self._recover()
 
     # ---- recovery and catalog ---------------------------------------------------------------
 
+    def _sync(self) -> list[str]:
+        """Reload the markers and tags from storage; return the uncommitted step dirs."""
+        markers, uncommitted = catalog.scan(self.storage)
+        self._markers = {m.name: m for m in markers}
+        self._tags = catalog.read_tags(self.storage)
+        return uncommitted
+
+    def _sorted_markers(self) -> list[Marker]:
+        return sorted(self._markers.values(), key=catalog.order_key)
+
     def _recover(self) -> dict[str, Any]:
         """Make the caches agree with the markers; collect leftovers; apply retention."""
         with self._commit_lock:
-            markers, uncommitted = catalog.scan(self.storage)
-            tags = catalog.read_tags(self.storage)
+            uncommitted = self._sync()
+            markers, tags = self._sorted_markers(), dict(self._tags)
             report: dict[str, Any] = {"committed": [m.name for m in markers],
                                       "rebuilt_catalog": False, "fixed_latest": False}
             want_latest = catalog.expected_latest(markers)
@@ -153,6 +167,8 @@ class CheckpointCoordinator:
         if not doomed:
             return []
         kept = [m for m in markers if m.name not in doomed]
+        for name in doomed:
+            self._markers.pop(name, None)
         # catalog first: a crash after this leaves committed-but-uncatalogued dirs, which
         # recovery re-adds and retention deletes again (collection is idempotent)
         self.storage.write_pointer(CATALOG, json_bytes(catalog.catalog_doc(kept, tags)))
@@ -180,8 +196,8 @@ class CheckpointCoordinator:
         self._workers = list(workers)
 
     def catalog(self) -> dict[str, Any]:
-        markers, _ = catalog.scan(self.storage)
-        return catalog.catalog_doc(markers, catalog.read_tags(self.storage))
+        with self._commit_lock:
+            return catalog.catalog_doc(self._sorted_markers(), self._tags)
 
     def begin(self, *, step: int, kind: str, tag: str | None, metrics: dict[str, float],
               trainer_state: dict[str, Any], expected: list[tuple[str, int]],
@@ -197,15 +213,16 @@ class CheckpointCoordinator:
                                f"{self.config.save_wait_timeout_s}s; not starting another")
         with self._commit_lock:
             name = step_dir_name(step)
-            existing = catalog.read_marker(self.storage, name)
+            existing = self._markers.get(name)
             if existing is not None and (existing.kind == "full" or kind == "light"):
                 if tag is not None:
-                    self.storage.write_pointer(f"{TAGS_DIR}/{tag}", (name + "\n").encode())
-                    self._write_catalog()
+                    self._write_tag(tag, name)
+                    self.storage.write_pointer(CATALOG, json_bytes(
+                        catalog.catalog_doc(self._sorted_markers(), self._tags)))
                 return {"existing": existing.to_catalog_entry()}
             if existing is not None:  # a light checkpoint holds this step; a full one is asked
                 name = step_dir_name(step, upgraded=True)
-                upgraded = catalog.read_marker(self.storage, name)
+                upgraded = self._markers.get(name)
                 if upgraded is not None:
                     return {"existing": upgraded.to_catalog_entry()}
             if self.storage.list_dir(name):
@@ -273,10 +290,9 @@ class CheckpointCoordinator:
     def gc(self) -> dict[str, list[str]]:
         """Collect leftovers of dead saves and apply retention now (idempotent)."""
         with self._commit_lock:
-            markers, uncommitted = catalog.scan(self.storage)
-            tags = catalog.read_tags(self.storage)
+            uncommitted = self._sync()  # an explicit gc re-reads storage
             return {"collected": self._collect_leftovers(uncommitted),
-                    "deleted": self._apply_retention(markers, tags)}
+                    "deleted": self._apply_retention(self._sorted_markers(), dict(self._tags))}
 
     # ---- commit --------------------------------------------------------------------------------
 
@@ -350,16 +366,18 @@ class CheckpointCoordinator:
         faults.check("coordinator.before_marker", path=name)
         s.create_marker(f"{name}/{COMMITTED}", marker.to_bytes())
         self._manifests[name] = manifest
+        self._markers[name] = marker
         faults.check("coordinator.after_marker", path=name)
-        markers, uncommitted = catalog.scan(s)
+        markers = self._sorted_markers()
         if save.kind == "full" and catalog.expected_latest(markers) == name:
             self._write_latest(name)
         if save.tag is not None:
-            s.write_pointer(f"{TAGS_DIR}/{save.tag}", (name + "\n").encode())
-        tags = catalog.read_tags(s)
+            self._write_tag(save.tag, name)
+        tags = dict(self._tags)
         faults.check("coordinator.catalog", path=name)
         s.write_pointer(CATALOG, json_bytes(catalog.catalog_doc(markers, tags)))
         deleted = self._apply_retention(markers, tags)
+        uncommitted = [n for n in catalog.step_dirs(s) if n not in self._markers]
         collected = self._collect_leftovers(uncommitted)
         committed_at = time.time()
         return {"name": name, "step": save.step, "kind": save.kind, "tag": save.tag,
@@ -367,7 +385,6 @@ class CheckpointCoordinator:
                 "persist_s": max(save.persist_s.values(), default=0.0),
                 "total_s": committed_at - save.started}
 
-    def _write_catalog(self) -> None:
-        markers, _ = catalog.scan(self.storage)
-        doc = catalog.catalog_doc(markers, catalog.read_tags(self.storage))
-        self.storage.write_pointer(CATALOG, json_bytes(doc))
+    def _write_tag(self, tag: str, name: str) -> None:
+        self.storage.write_pointer(f"{TAGS_DIR}/{tag}", (name + "\n").encode())
+        self._tags[tag] = name

@@ -96,8 +96,15 @@ class CheckpointableWorker:
         return [f.to_dict() for f in saver.pending.wait(timeout)]
 
     def ckpt_on_committed(self, name: str, step: int) -> None:
-        """Broadcast from the coordinator after a commit; a hook for subclasses."""
+        """Broadcast from the coordinator after a commit; subclasses may extend it."""
         self.ckpt_last_committed = (name, step)
+
+    def ckpt_status(self) -> dict[str, Any]:
+        """The last commit this worker was told of, and whether a persist is running."""
+        saver = self._ckpt_saver
+        pending = None if saver is None else saver.pending
+        return {"last_committed": getattr(self, "ckpt_last_committed", None),
+                "persisting": pending is not None and not pending.done()}
 
     def ckpt_load(self, request: dict[str, Any]) -> dict[str, Any]:
         """Load this rank's part of a verified checkpoint (resharding if world size changed).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 import pytest
 
@@ -40,12 +41,20 @@ def test_round_trip_is_bitwise(backend, group2, local_root, request):
         h = m.save_checkpoint()
         assert h.stall_s < 30
         result = h.wait(120)
-        assert result["name"] == "step_00000003" and result["bytes"] > 0
+        assert h.done() and result["name"] == "step_00000003" and result["bytes"] > 0
+        import ray
+
+        deadline = time.time() + 30  # the commit broadcast reaches every worker
+        while time.time() < deadline:
+            status = ray.get([w.ckpt_status.remote() for w in group2], timeout=60)
+            if all(tuple(st["last_committed"] or ()) == ("step_00000003", 3) for st in status):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"commit broadcast not seen by workers: {status}")
         saved = full_state(group2)
         sampler_state = sampler.state_dict()
         probe = [w.rng_probe.remote() for w in group2]
-        import ray
-
         probe = ray.get(probe, timeout=60)
 
         train(group2, range(3, 6))  # move on, then come back
@@ -147,8 +156,10 @@ def test_retention_over_many_saves(group2, local_root):
     assert names2 == {"step_00000024", "step_00000023", "step_00000004"}
 
 
-def test_worker_failure_aborts_and_training_continues(group2, local_root):
-    m = manager(local_root, {"actor": group2})
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_worker_failure_aborts_and_training_continues(backend, group2, local_root, request):
+    root, options = (local_root, {}) if backend == "local" else request.getfixturevalue("s3_root")
+    m = manager(root, {"actor": group2}, options)
     try:
         m.update(step=1)
         m.save_checkpoint().wait(120)
@@ -161,7 +172,7 @@ def test_worker_failure_aborts_and_training_continues(group2, local_root):
             assert "actor/1" in err.value.failures or "actor/0" in err.value.failures
         finally:
             disarm(group2)
-        st = Storage(local_root)
+        st = Storage(root, options)
         assert not st.exists(f"step_00000002/{COMMITTED}")
         assert st.read_bytes(LATEST).decode().strip() == "step_00000001"
         train(group2, [5])  # training goes on
