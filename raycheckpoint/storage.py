@@ -175,19 +175,7 @@ class Storage:
         faults.check("storage.pointer", path=rel)
         full = self.full_path(rel)
         if self.is_posix:
-            directory = os.path.dirname(full)
-            os.makedirs(directory, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, full)
-            except BaseException:
-                _unlink_quietly(tmp)
-                raise
-            _fsync_dir(directory)
+            _publish_posix(full, data, os.replace)
         else:
             self.fs.pipe_file(full, data)  # one PUT replaces the object atomically
 
@@ -196,18 +184,7 @@ class Storage:
         faults.check("storage.marker", path=rel)
         full = self.full_path(rel)
         if self.is_posix:
-            directory = os.path.dirname(full)
-            os.makedirs(directory, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.link(tmp, full)  # atomic, and fails if the marker exists
-            finally:
-                _unlink_quietly(tmp)
-            _fsync_dir(directory)
+            _publish_posix(full, data, os.link)  # link is atomic and fails if the marker exists
         elif self.protocol in ("s3", "s3a"):
             try:
                 self.fs.pipe_file(full, data, mode="create")
@@ -327,6 +304,26 @@ class Storage:
             self.fs.rm(full, recursive=True)
         except FileNotFoundError:
             pass
+
+
+def _publish_posix(full: str, data: bytes, publish) -> None:
+    """Write ``data`` to a fsynced temp file beside ``full``, then ``publish(tmp, full)``.
+
+    ``os.replace`` replaces atomically, ``os.link`` creates exclusively; either way a reader
+    sees the whole file or none of it.  The directory is fsynced so the name is durable.
+    """
+    directory = os.path.dirname(full)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        publish(tmp, full)
+    finally:
+        _unlink_quietly(tmp)
+    _fsync_dir(directory)
 
 
 def _unlink_quietly(path: str) -> None:
