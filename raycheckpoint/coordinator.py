@@ -71,6 +71,8 @@ class _Save:
     world_sizes: dict[str, int]
     expected: set[tuple[str, int]]
     deadline: float
+    frozen: dict[str, str] = field(default_factory=dict)  # role -> identity
+    reused: dict[str, str] = field(default_factory=dict)  # role -> checkpoint holding its bytes
     started: float = field(default_factory=time.time)
     reports: dict[tuple[str, int], list[FileEntry]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
@@ -140,12 +142,33 @@ class CheckpointCoordinator:
 
     def _collect_leftovers(self, uncommitted: list[str]) -> list[str]:
         busy = self._in_flight()
+        referenced = self._referenced(self._markers)
         collected = []
         for name in uncommitted:
             if name not in busy:
-                self.storage.delete_tree(name)
+                self._delete_step(name, referenced)
                 collected.append(name)
         return collected
+
+    def _referenced(self, names) -> set[str]:
+        """Files under other step directories that the manifests of ``names`` list."""
+        referenced: set[str] = set()
+        for name in names:
+            manifest = self._manifest(name)
+            if manifest is not None:
+                referenced |= {p for p in manifest.files if not p.startswith(name + "/")}
+        return referenced
+
+    def _delete_step(self, name: str, referenced: set[str]) -> None:
+        """Delete a step directory, marker first, keeping files other manifests reference."""
+        self.storage.delete(f"{name}/{COMMITTED}")
+        if any(p.startswith(name + "/") for p in referenced):
+            for path in self.storage.list_files(name):
+                if path not in referenced:
+                    self.storage.delete(path)
+        else:
+            self.storage.delete_tree(name)
+        self._manifests.pop(name, None)
 
     def _manifest(self, name: str) -> Manifest | None:
         if name not in self._manifests:
@@ -172,22 +195,10 @@ class CheckpointCoordinator:
         # catalog first: a crash after this leaves committed-but-uncatalogued dirs, which
         # recovery re-adds and retention deletes again (collection is idempotent)
         self.storage.write_pointer(CATALOG, json_bytes(catalog.catalog_doc(kept, tags)))
-        referenced: set[str] = set()
-        for m in kept:
-            manifest = self._manifest(m.name)
-            if manifest is not None:
-                referenced |= {p for p in manifest.files if not p.startswith(m.name + "/")}
+        referenced = self._referenced(m.name for m in kept)
         for name in doomed:
             faults.check("coordinator.retention_delete", path=name)
-            self.storage.delete(f"{name}/{COMMITTED}")
-            shared = {p for p in referenced if p.startswith(name + "/")}
-            if shared:
-                for path in self.storage.list_files(name):
-                    if path not in shared:
-                        self.storage.delete(path)
-            else:
-                self.storage.delete_tree(name)
-            self._manifests.pop(name, None)
+            self._delete_step(name, referenced)
         return doomed
 
     # ---- driver API ---------------------------------------------------------------------------
@@ -201,8 +212,15 @@ class CheckpointCoordinator:
 
     def begin(self, *, step: int, kind: str, tag: str | None, metrics: dict[str, float],
               trainer_state: dict[str, Any], expected: list[tuple[str, int]],
-              world_sizes: dict[str, int]) -> dict[str, Any]:
-        """Reserve a save.  Returns ``{"save_id", "name"}`` or ``{"existing": entry}``."""
+              world_sizes: dict[str, int], frozen: dict[str, str] | None = None) -> dict[str, Any]:
+        """Reserve a save.
+
+        Returns ``{"save_id", "name", "reused"}`` or ``{"existing": entry}``.  ``frozen``
+        maps frozen roles to the identity of their weights; a role whose identical weights
+        (same identity and world size) are in a committed checkpoint is not written again:
+        it is listed in ``reused``, expects no reports, and the manifest references the
+        earlier bytes.
+        """
         if kind not in ("full", "light"):
             raise ValueError(f"kind must be 'full' or 'light', got {kind!r}")
         if tag is not None:
@@ -225,11 +243,15 @@ class CheckpointCoordinator:
                 upgraded = self._markers.get(name)
                 if upgraded is not None:
                     return {"existing": upgraded.to_catalog_entry()}
-            if self.storage.list_dir(name):
-                self.storage.delete_tree(name)  # leftover of an aborted attempt at this step
+            if self.storage.list_dir(name):  # leftover of an aborted attempt at this step
+                self._delete_step(name, self._referenced(self._markers))
+            frozen = dict(frozen or {})
+            reused = self._find_reusable(frozen, world_sizes)
+            expected = [e for e in expected if e[0] not in reused]
             save = _Save(save_id=uuid.uuid4().hex[:12], name=name, step=step, kind=kind, tag=tag,
                          metrics=dict(metrics), trainer_state=dict(trainer_state),
                          world_sizes=dict(world_sizes), expected={tuple(e) for e in expected},
+                         frozen=frozen, reused=reused,
                          # until the driver says every snapshot is taken (snapshotted()),
                          # the snapshots themselves may wait for a previous persist
                          deadline=time.time() + self.config.save_wait_timeout_s
@@ -239,7 +261,20 @@ class CheckpointCoordinator:
                 self._last = save
         threading.Thread(target=self._run, args=(save,), daemon=True,
                          name=f"raycheckpoint-commit-{name}").start()
-        return {"save_id": save.save_id, "name": name}
+        return {"save_id": save.save_id, "name": name, "reused": sorted(reused)}
+
+    def _find_reusable(self, frozen: dict[str, str], world_sizes: dict[str, int]) -> dict[str, str]:
+        reused: dict[str, str] = {}
+        newest_first = sorted(self._markers.values(), key=catalog.order_key, reverse=True)
+        for role, identity in frozen.items():
+            for marker in newest_first:
+                manifest = self._manifest(marker.name)
+                layout = None if manifest is None else manifest.roles.get(role)
+                if (layout is not None and layout.identity == identity
+                        and layout.world_size == world_sizes.get(role)):
+                    reused[role] = marker.name
+                    break
+        return reused
 
     def snapshotted(self, save_id: str) -> None:
         """Every worker has its host copy: the persist/commit timeout starts now."""
@@ -347,10 +382,18 @@ class CheckpointCoordinator:
         roles: dict[str, RoleLayout] = {}
         for (role, rank), entries in sorted(save.reports.items()):
             layout = roles.setdefault(role, RoleLayout(world_size=save.world_sizes[role],
-                                                       dcp_dir=f"{name}/{role}"))
+                                                       dcp_dir=f"{name}/{role}",
+                                                       identity=save.frozen.get(role)))
             layout.ranks[rank] = [e.path for e in entries]
             for e in entries:
                 files[e.path] = e
+        for role, source in sorted(save.reused.items()):
+            src = self._manifest(source)
+            if src is None:
+                raise RuntimeError(f"cannot reuse {role} from {source}: its manifest is unreadable")
+            roles[role] = src.roles[role]
+            for path in src.roles[role].files:
+                files[path] = src.files[path]
         trainer_state = {**save.trainer_state, "global_step": save.step, "kind": save.kind,
                          "tag": save.tag, "metrics": save.metrics, "name": name}
         faults.check("coordinator.trainer_state", path=name)

@@ -99,6 +99,11 @@ class RoleLayout:
     world_size: int
     dcp_dir: str  # relative to root
     ranks: dict[int, list[str]] = field(default_factory=dict)  # rank -> files it wrote
+    identity: str | None = None  # frozen roles: hash of the weights, for reuse by reference
+
+    @property
+    def files(self) -> list[str]:
+        return sorted({f for files in self.ranks.values() for f in files})
 
 
 @dataclass
@@ -131,7 +136,8 @@ class Manifest:
             format_version=d["format_version"],
             files={p: FileEntry(p, s, h) for p, s, h in d["files"]},
             roles={r: RoleLayout(world_size=v["world_size"], dcp_dir=v["dcp_dir"],
-                                 ranks={int(k): list(f) for k, f in v["ranks"].items()})
+                                 ranks={int(k): list(f) for k, f in v["ranks"].items()},
+                                 identity=v.get("identity"))
                    for r, v in d["roles"].items()},
         )
 

@@ -18,6 +18,7 @@ grouped by role (rank = position in the list).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import warnings
@@ -117,7 +118,8 @@ class CheckpointManager:
     """Driver-side checkpointing for one job's worker groups."""
 
     def __init__(self, config: CheckpointConfig, worker_groups: dict[str, list[Any]], *,
-                 dataloader: Any = None, fingerprint: dict[str, Any] | None = None) -> None:
+                 dataloader: Any = None, fingerprint: dict[str, Any] | None = None,
+                 frozen_roles: tuple[str, ...] | list[str] = ()) -> None:
         if config.encryption_key is not None:
             raise NotImplementedError(
                 "checkpoint encryption (encryption_key) is not available in this release; "
@@ -129,6 +131,12 @@ class CheckpointManager:
             raise ValueError(f"{config.save_dir!r} is process-local (memory://): Ray workers run "
                              "in other processes and cannot write there; use a directory or s3://")
         self.groups = {role: list(ws) for role, ws in worker_groups.items()}
+        unknown = sorted(set(frozen_roles) - set(self.groups))
+        if unknown:
+            raise ValueError(f"frozen_roles {unknown} are not among the worker groups "
+                             f"{sorted(self.groups)}")
+        self.frozen_roles = tuple(frozen_roles)
+        self._identities: dict[str, str] = {}
         self.dataloader = dataloader
         self.fingerprint = dict(fingerprint or {})
         self.global_step = 0
@@ -143,6 +151,7 @@ class CheckpointManager:
                                   report_timeout_s=rpc)
               for role, ws in self.groups.items() for rank, w in enumerate(ws)], rpc)
         _get(self._coordinator.register_workers.remote(self.workers), rpc)
+        self._refresh_identities()
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -167,6 +176,13 @@ class CheckpointManager:
             self.epoch = epoch
         if metrics is not None:
             self.metrics = dict(metrics)
+
+    def _refresh_identities(self) -> None:
+        """Hash the frozen roles' weights (per rank, no collective) to detect reuse."""
+        for role in self.frozen_roles:
+            per_rank = _get([w.ckpt_identity.remote() for w in self.groups[role]],
+                            self.config.rpc_timeout_s)
+            self._identities[role] = hashlib.sha256("".join(per_rank).encode()).hexdigest()
 
     def catalog(self) -> dict[str, Any]:
         return _get(self._coordinator.catalog.remote(), self.config.rpc_timeout_s)
@@ -231,7 +247,7 @@ class CheckpointManager:
         rpc = self.config.rpc_timeout_s
         begun = _get(self._coordinator.begin.remote(
             step=step, kind=kind, tag=tag, metrics=metrics, trainer_state=trainer_state,
-            expected=expected, world_sizes=self.world_sizes),
+            expected=expected, world_sizes=self.world_sizes, frozen=self._identities),
             self.config.save_wait_timeout_s + rpc)
         if "existing" in begun:
             e = begun["existing"]
@@ -239,10 +255,11 @@ class CheckpointManager:
                               stall_s=time.perf_counter() - t0, worker_stall_s=0.0,
                               existing={**e, "existing": True})
         save_id, name = begun["save_id"], begun["name"]
+        writers = [w for role, ws in self.groups.items() if role not in begun["reused"] for w in ws]
         try:
             snaps = _get([w.ckpt_snapshot.remote(save_id, name, kind, self._coordinator,
                                                  self.config.save_wait_timeout_s)
-                          for w in self.workers], self.config.save_wait_timeout_s + rpc)
+                          for w in writers], self.config.save_wait_timeout_s + rpc)
         except BaseException as e:
             self._coordinator.abort.remote(save_id, f"snapshot failed: {type(e).__name__}: {e}")
             raise CheckpointSaveError(f"snapshot for {name} failed: {type(e).__name__}: {e}",
@@ -250,7 +267,7 @@ class CheckpointManager:
         self._coordinator.snapshotted.remote(save_id)
         handle = SaveHandle(self, save_id=save_id, name=name, step=step, kind=kind,
                             stall_s=time.perf_counter() - t0,
-                            worker_stall_s=max(s["stall_s"] for s in snaps))
+                            worker_stall_s=max((s["stall_s"] for s in snaps), default=0.0))
         self._handles.append(handle)
         return handle
 
@@ -340,6 +357,7 @@ class CheckpointManager:
         if extra_roles:
             skipped.append(f"roles in the checkpoint with no worker group here: {extra_roles}")
         resharded = self._load_workers(ck, weights_only=weights_only, skipped=skipped)
+        self._refresh_identities()
         ts = ck.trainer_state
         if not weights_only:
             skipped += [f"driver rng: {s}" for s in restore_rng(ts["rng"])]
@@ -370,8 +388,10 @@ class CheckpointManager:
             prefix = layout.dcp_dir + "/"
             files = {p: e.to_dict() for p, e in ck.manifest.files.items() if p.startswith(prefix)}
             for rank, w in enumerate(workers):
-                rng = f"{ck.name}/{rng_file(role, rank if rank < layout.world_size else 0)}"
-                if rng in ck.manifest.files:
+                src_rank = rank if rank < layout.world_size else 0
+                suffix = "/" + rng_file(role, src_rank)
+                rng = next((f for f in layout.files if f.endswith(suffix)), None)
+                if rng is not None:
                     files_r = {**files, rng: ck.manifest.files[rng].to_dict()}
                 else:
                     files_r, rng = files, None

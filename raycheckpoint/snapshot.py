@@ -176,9 +176,11 @@ class ShardSaver:
         t0 = time.perf_counter()
         try:
             faults.check("worker.persist", path=f"{self.role}/{self.rank}")
-            writer = HashingStorageWriter(self.storage, f"{step_dir}/{self.role}")
-            dcp.save(staged, storage_writer=writer, process_group=self.process_group)
-            files = list(writer.written)
+            files = []
+            if staged:  # a role without tensors (rollout) saves its extra state only
+                writer = HashingStorageWriter(self.storage, f"{step_dir}/{self.role}")
+                dcp.save(staged, storage_writer=writer, process_group=self.process_group)
+                files = list(writer.written)
             if extra is not None:
                 files.append(self.storage.write_bytes(
                     f"{step_dir}/{rng_file(self.role, self.rank)}", pack(extra)))

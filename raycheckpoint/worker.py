@@ -17,14 +17,17 @@ host copy), and per resume ``ckpt_load``.
 
 from __future__ import annotations
 
+import hashlib
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from raycheckpoint.dcp_io import VerifyingStorageReader, load_verified, verify_bytes
 from raycheckpoint.errors import IntegrityError
-from raycheckpoint.format import unpack
+from raycheckpoint.format import DCP_METADATA, unpack
 from raycheckpoint.snapshot import ShardSaver
 from raycheckpoint.state import capture_rng, restore_rng
 from raycheckpoint.storage import FileEntry, StorageSpec
@@ -99,6 +102,19 @@ class CheckpointableWorker:
         """Broadcast from the coordinator after a commit; subclasses may extend it."""
         self.ckpt_last_committed = (name, step)
 
+    def ckpt_identity(self) -> str:
+        """sha256 of this rank's tensors (light state): what "unchanged weights" means.
+
+        The manager combines the ranks' identities of a frozen role; a checkpoint whose
+        role has the same identity and world size is referenced instead of written again.
+        """
+        h = hashlib.sha256()
+        for path, tensor in sorted(_local_tensors(self.ckpt_state_dict("light")).items()):
+            h.update(path.encode())
+            h.update(str((tuple(tensor.shape), tensor.dtype)).encode())
+            h.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
     def ckpt_status(self) -> dict[str, Any]:
         """The last commit this worker was told of, and whether a persist is running."""
         saver = self._ckpt_saver
@@ -118,10 +134,15 @@ class CheckpointableWorker:
         expected = {p: FileEntry.from_dict(e) for p, e in request["files"].items()}
         kind = request["kind"]
         template = self.ckpt_state_dict(kind)
-        reader = VerifyingStorageReader(saver.storage, request["dcp_dir"], expected,
-                                        check_sha=request["check_sha"])
-        load_verified(template, reader, process_group=saver.process_group)
-        self.ckpt_load_state_dict(template, kind)
+        if f"{request['dcp_dir']}/{DCP_METADATA}" in expected:
+            reader = VerifyingStorageReader(saver.storage, request["dcp_dir"], expected,
+                                            check_sha=request["check_sha"])
+            load_verified(template, reader, process_group=saver.process_group)
+            self.ckpt_load_state_dict(template, kind)
+        elif template:
+            raise IntegrityError(f"{request['dcp_dir']}: the checkpoint holds no tensors for "
+                                 f"{self.ckpt_role}, which has state to load",
+                                 path=request["dcp_dir"])
         skipped: list[str] = []
         if kind == "full":
             skipped += self._load_extra(saver, request, expected)
@@ -147,3 +168,16 @@ class CheckpointableWorker:
             skipped.append(f"{self.ckpt_role}/{self.ckpt_rank}: per-rank RNG (world size changed "
                            f"{request['saved_world_size']} -> {self.ckpt_world_size})")
         return skipped
+
+
+def _local_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """This rank's tensors of a (possibly DTensor) state dict, by path."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_local_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(obj, DTensor):
+        out[prefix] = obj.to_local()
+    elif isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    return out

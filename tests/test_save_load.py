@@ -296,3 +296,31 @@ def test_catalog_and_latest_rebuilt_from_markers(group2, local_root):
         assert m2.load_checkpoint("latest").step == 1
     finally:
         m2.close(60)
+
+
+def test_frozen_weights_are_written_once_and_kept_while_referenced(group2, group3, local_root):
+    m = manager(local_root, {"actor": group2, "reward": group3}, frozen_roles=["reward"],
+                config={"keep_last_n": 1})
+    try:
+        reward_before = full_state(group3)["model"]
+        for step in (1, 2, 3):
+            train(group2, [step])
+            m.update(step=step)
+            m.save_checkpoint().wait(120)
+        st = Storage(local_root)
+        from raycheckpoint.format import Manifest
+
+        manifest = Manifest.from_bytes(st.read_bytes("step_00000003/manifest.msgpack"))
+        assert manifest.roles["reward"].dcp_dir == "step_00000001/reward"
+        assert all(p.startswith("step_00000001/") for p in manifest.roles["reward"].files)
+        # step 1 was collected by retention except the reward bytes step 3 still references
+        assert not st.exists(f"step_00000001/{COMMITTED}")
+        left = set(st.list_files("step_00000001"))
+        assert left == set(manifest.roles["reward"].files)
+        assert not st.list_files("step_00000002/reward")
+        verify_checkpoint(st, "step_00000003")
+        train(group3, [9])  # change the "frozen" weights, then load them back
+        assert m.load_checkpoint("latest").step == 3
+        assert_same(reward_before, full_state(group3)["model"])
+    finally:
+        m.close(60)

@@ -10,14 +10,11 @@ sharded (DTensor) model and optimizer state dicts plus the scheduler state.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Any
 
 import ray
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -30,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from raycheckpoint.worker import CheckpointableWorker
+from workers.group import init_process_group
 
 
 @dataclass(frozen=True)
@@ -74,12 +72,9 @@ class FSDPTrainWorker(CheckpointableWorker):
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str,
                  master_port: int, timeout_s: float = 120.0, model: dict | None = None,
                  seed: int = 0) -> None:
-        torch.set_num_threads(1)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.role, self.rank, self.world_size = role, rank, world_size
-        dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        init_process_group(rank=rank, world_size=world_size, master_addr=master_addr,
+                           master_port=master_port, timeout_s=timeout_s)
         self.cfg = TinyLMConfig(**(model or {}))
         torch.manual_seed(seed)  # identical initial weights on every rank
         self.model = TinyLM(self.cfg)

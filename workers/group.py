@@ -6,16 +6,29 @@ timeout, so a rank that dies cannot leave the others blocked forever.
 
 from __future__ import annotations
 
+import os
 import socket
+from datetime import timedelta
 from typing import Any
 
 import ray
+import torch
+import torch.distributed as dist
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def init_process_group(*, rank: int, world_size: int, master_addr: str, master_port: int,
+                       timeout_s: float) -> None:
+    """Join this actor's gloo group (one thread per rank: 2 cores are shared by many ranks)."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
 def create_worker_group(worker_cls: Any, *, role: str, world_size: int, timeout_s: float = 120.0,

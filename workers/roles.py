@@ -1,0 +1,85 @@
+"""The RL roles on top of ShardedModelWorker: actor, reference, critic, reward.
+
+Every method that takes a batch receives this rank's slice of it (the driver splits
+the global batch evenly over the role's ranks; FSDP averages gradients across them).
+Batch tensors: ``input_ids`` and ``attention_mask`` of shape (N, T), ``response_mask``
+(N, T-1) marking the positions that predict response tokens.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from workers.models import decode, token_logprobs
+from workers.sharded import ShardedModelWorker
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@ray.remote
+class PolicyWorker(ShardedModelWorker):
+    """The actor (trainable) or the reference policy (``trainable=False``)."""
+
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = self.net(input_ids=batch["input_ids"],
+                              attention_mask=batch["attention_mask"]).logits
+        return token_logprobs(logits, batch["input_ids"])
+
+    def update(self, batch: dict[str, torch.Tensor], *, advantages: torch.Tensor,
+               ref_logprobs: torch.Tensor, clip: float, kl_coef: float) -> dict[str, float]:
+        """One PPO-clip step with a KL penalty to the reference on response tokens."""
+        mask = batch["response_mask"].float()
+        old = self.logprobs(batch)
+        logits = self.net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logp = token_logprobs(logits, batch["input_ids"])
+        ratio = torch.exp(logp - old)
+        pg = -torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip, 1 + clip) * advantages)
+        # k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0
+        delta = ref_logprobs - logp
+        kl = torch.exp(delta) - delta - 1
+        loss = _masked_mean(pg + kl_coef * kl, mask)
+        self._optimizer_step(loss)
+        return {"pg_loss": float(_masked_mean(pg, mask).detach()),
+                "kl": float(_masked_mean(kl, mask).detach()), "loss": float(loss.detach()),
+                "lr": float(self.sched.get_last_lr()[0])}
+
+
+@ray.remote
+class CriticWorker(ShardedModelWorker):
+    """PPO's value model: per-token values, trained toward the GAE returns."""
+
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            v = self.net(batch["input_ids"], batch["attention_mask"])
+        return v[:, :-1]  # value of the state before each predicted token
+
+    def update(self, batch: dict[str, torch.Tensor], *, returns: torch.Tensor) -> dict[str, float]:
+        v = self.net(batch["input_ids"], batch["attention_mask"])[:, :-1]
+        loss = _masked_mean((v - returns) ** 2, batch["response_mask"].float())
+        self._optimizer_step(loss)
+        return {"value_loss": float(loss.detach())}
+
+
+@ray.remote
+class RewardWorker(ShardedModelWorker):
+    """A frozen reward model combined with a rule-based score.
+
+    The rule: the fraction of response characters equal to the prompt's target
+    character (the task is to repeat it).  The model's score on the last token is
+    squashed and weighted by ``rm_coef``.
+    """
+
+    def score(self, batch: dict[str, torch.Tensor], responses: list[list[int]],
+              targets: list[str], rm_coef: float) -> dict[str, list[float]]:
+        with torch.no_grad():
+            values = self.net(batch["input_ids"], batch["attention_mask"])
+        last = batch["attention_mask"].sum(dim=1) - 1
+        rm = torch.tanh(values[torch.arange(values.shape[0]), last])
+        rule = [sum(c == t for c in decode(r)) / max(1, len(r))
+                for r, t in zip(responses, targets, strict=True)]
+        total = [r + rm_coef * float(m) for r, m in zip(rule, rm, strict=True)]
+        return {"reward": total, "rule": rule}

@@ -1,0 +1,108 @@
+"""ShardedModelWorker: one rank of an FSDP2-sharded model (trainable or frozen).
+
+The base of the actor, critic, reference and reward roles.  It forms the role's gloo
+group, builds the model from config (identical initial weights on every rank, from
+``seed``), shards each decoder layer and the root with ``fully_shard``, and, when
+trainable, owns AdamW and a linear LR schedule.  Checkpoint state: the sharded model
+(and optimizer) state dicts, plus the scheduler and step counter as extra state.
+Frozen roles save their weights only; the coordinator stores them once and later
+checkpoints reference those bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from raycheckpoint.worker import CheckpointableWorker
+from workers.group import init_process_group
+from workers.models import ValueModel, build_causal_lm, decoder_layers
+
+
+class ShardedModelWorker(CheckpointableWorker):
+    def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str,
+                 master_port: int, timeout_s: float = 120.0, model: dict | None = None,
+                 seed: int = 0, trainable: bool = True, value_model: bool = False,
+                 optim: dict | None = None) -> None:
+        self.role, self.rank, self.world_size = role, rank, world_size
+        init_process_group(rank=rank, world_size=world_size, master_addr=master_addr,
+                           master_port=master_port, timeout_s=timeout_s)
+        model = dict(model or {})
+        self.net = ValueModel(model, seed) if value_model else build_causal_lm(model, seed)
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in decoder_layers(self.net):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+        self.trainable = trainable
+        self.steps = 0
+        self.optim = self.sched = None
+        if trainable:
+            optim = dict(optim or {})
+            self.optim = torch.optim.AdamW(self.net.parameters(), lr=optim.get("lr", 1e-3),
+                                           weight_decay=optim.get("weight_decay", 0.0))
+            self.sched = torch.optim.lr_scheduler.LinearLR(
+                self.optim, start_factor=1.0, end_factor=optim.get("end_factor", 0.1),
+                total_iters=max(1, optim.get("total_steps", 1000)))
+        else:
+            self.net.requires_grad_(False)
+            self.net.eval()
+
+    def ready(self) -> dict[str, Any]:
+        return {"role": self.role, "rank": self.rank, "trainable": self.trainable}
+
+    def _optimizer_step(self, loss: torch.Tensor) -> None:
+        self.optim.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optim.step()
+        self.sched.step()
+        self.steps += 1
+
+    # ---- whole-model views (collectives: every rank of the role must call) ----------------
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded weights on rank 0 (None elsewhere)."""
+        sd = get_model_state_dict(self.net, options=StateDictOptions(full_state_dict=True,
+                                                                     cpu_offload=True))
+        return sd if self.rank == 0 else None
+
+    def weights_sha256(self) -> str:
+        sd = get_model_state_dict(self.net, options=StateDictOptions(full_state_dict=True))
+        h = hashlib.sha256()
+        for k in sorted(sd):
+            h.update(k.encode())
+            h.update(sd[k].detach().contiguous().float().numpy().tobytes())
+        return h.hexdigest()
+
+    # ---- CheckpointableWorker hooks --------------------------------------------------------
+
+    def ckpt_state_dict(self, kind: str) -> dict[str, Any]:
+        state = {"model": get_model_state_dict(self.net)}
+        if kind == "full" and self.trainable:
+            state["optim"] = get_optimizer_state_dict(self.net, self.optim)
+        return state
+
+    def ckpt_load_state_dict(self, state: dict[str, Any], kind: str) -> None:
+        set_model_state_dict(self.net, state["model"])
+        if "optim" in state:
+            set_optimizer_state_dict(self.net, self.optim, state["optim"])
+
+    def ckpt_extra_state(self) -> dict[str, Any]:
+        if not self.trainable:
+            return {}
+        return {"scheduler": self.sched.state_dict(), "steps": self.steps}
+
+    def ckpt_load_extra_state(self, extra: dict[str, Any]) -> None:
+        if self.trainable and extra:
+            self.sched.load_state_dict(extra["scheduler"])
+            self.steps = int(extra["steps"])
