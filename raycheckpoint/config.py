@@ -60,6 +60,7 @@ class CheckpointConfig:
     # resume
     resume_mode: ResumeMode = "auto"
     resume_from: str | None = None
+    allow_reshard: bool = True  # False: a changed world size is a config mismatch
 
     # timeouts (seconds)
     commit_timeout_s: float = 600.0

@@ -94,6 +94,7 @@ class CheckpointCoordinator:
         self._saves: dict[str, _Save] = {}
         self._last: _Save | None = None
         self._workers: list[Any] = []
+        self._requests: list[dict[str, Any]] = []
         self._manifests: dict[str, Manifest] = {}
         # caches of what storage holds, loaded by _sync() and kept current by this actor
         # (the only writer of the root), so a commit costs O(1) metadata reads
@@ -205,6 +206,20 @@ class CheckpointCoordinator:
 
     def register_workers(self, workers: list[Any]) -> None:
         self._workers = list(workers)
+
+    def request_save(self, tag: str | None = None, kind: str = "full") -> None:
+        """Ask the running job's driver to save at its next step (from outside the job)."""
+        if kind not in ("full", "light"):
+            raise ValueError(f"kind must be 'full' or 'light', got {kind!r}")
+        if tag is not None:
+            validate_tag(tag)
+        with self._cond:
+            self._requests.append({"tag": tag, "kind": kind, "at": time.time()})
+
+    def take_requests(self) -> list[dict[str, Any]]:
+        with self._cond:
+            taken, self._requests = self._requests, []
+        return taken
 
     def catalog(self) -> dict[str, Any]:
         with self._commit_lock:

@@ -72,6 +72,30 @@ class LoadResult:
     resharded: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
+COORDINATOR_NAMESPACE = "raycheckpoint"
+
+
+def coordinator_name(storage: Storage) -> str:
+    """The Ray actor name of the coordinator of the job writing to ``storage``'s root."""
+    return "coordinator-" + hashlib.sha256(storage.url().rstrip("/").encode()).hexdigest()[:16]
+
+
+def _start_coordinator(spec: StorageSpec, config: CheckpointConfig) -> Any:
+    name = coordinator_name(spec.open())
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return ray.remote(CheckpointCoordinator).options(
+                name=name, namespace=COORDINATOR_NAMESPACE, max_concurrency=64,
+                num_cpus=0).remote(spec, config)
+        except ValueError as e:  # the name is held: a previous coordinator still shutting down
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"another checkpoint coordinator ({name}) is running for {config.save_dir}; "
+                    "one job per checkpoint root") from e
+            time.sleep(0.5)
+
+
 class SaveHandle:
     """A save in flight: ``done()``, ``wait(timeout)``; errors are re-raised unchanged."""
 
@@ -144,8 +168,7 @@ class CheckpointManager:
         self.metrics: dict[str, Any] = {}
         self._stats: list[dict[str, Any]] = []
         self._handles: list[SaveHandle] = []
-        self._coordinator = ray.remote(CheckpointCoordinator).options(
-            max_concurrency=64, num_cpus=0).remote(self.spec, config)
+        self._coordinator = _start_coordinator(self.spec, config)
         rpc = config.rpc_timeout_s
         _get([w.ckpt_setup.remote(role=role, rank=rank, world_size=len(ws), storage=self.spec,
                                   report_timeout_s=rpc)
@@ -183,6 +206,10 @@ class CheckpointManager:
             per_rank = _get([w.ckpt_identity.remote() for w in self.groups[role]],
                             self.config.rpc_timeout_s)
             self._identities[role] = hashlib.sha256("".join(per_rank).encode()).hexdigest()
+
+    def poll_requests(self) -> list[dict[str, Any]]:
+        """Save requests made from outside the job (``python -m raycheckpoint.request``)."""
+        return _get(self._coordinator.take_requests.remote(), self.config.rpc_timeout_s)
 
     def catalog(self) -> dict[str, Any]:
         return _get(self._coordinator.catalog.remote(), self.config.rpc_timeout_s)
@@ -339,6 +366,10 @@ class CheckpointManager:
             weights_only = True
         skipped: list[str] = []
         diffs = config_diff(ck.trainer_state.get("config_fingerprint") or {}, self.fingerprint)
+        if not self.config.allow_reshard:
+            diffs += [(f"world_size.{role}", layout.world_size, self.world_sizes[role])
+                      for role, layout in sorted(ck.manifest.roles.items())
+                      if role in self.groups and layout.world_size != self.world_sizes[role]]
         if diffs and not weights_only:
             text = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs)
             if strict:

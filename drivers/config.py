@@ -1,0 +1,93 @@
+"""The RL job's options as verl-style dotted keys: ``python -m drivers.main_ppo key=value``.
+
+:data:`DEFAULTS` lists every key the driver knows with its default; a command-line
+override must name one of them (or a ``checkpoint.*`` key, handed to
+:class:`raycheckpoint.CheckpointConfig`, whose seed-style names are accepted).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from typing import Any
+
+DEFAULTS: dict[str, Any] = {
+    "algorithm.adv_estimator": "grpo",          # grpo | gae (PPO with a critic)
+    "algorithm.gamma": 1.0,
+    "algorithm.lam": 0.95,
+    "actor_rollout_ref.model.arch": "llama",    # llama | qwen2
+    "actor_rollout_ref.model.hidden_size": 64,
+    "actor_rollout_ref.model.intermediate_size": 128,
+    "actor_rollout_ref.model.num_layers": 2,
+    "actor_rollout_ref.model.num_heads": 1,
+    "actor_rollout_ref.actor.optim.lr": 0.01,
+    "actor_rollout_ref.actor.optim.end_factor": 0.5,   # linear LR decay to lr * end_factor
+    "actor_rollout_ref.actor.clip_ratio": 0.2,
+    "actor_rollout_ref.actor.kl_loss_coef": 0.01,
+    "actor_rollout_ref.rollout.name": "hf",     # hf | vllm
+    "actor_rollout_ref.rollout.n": 4,
+    "actor_rollout_ref.rollout.temperature": 1.0,
+    "actor_rollout_ref.rollout.response_length": 8,
+    "critic.optim.lr": 0.01,
+    "reward_model.rm_coef": 0.1,
+    "data.train_files": None,                   # default: generated under default_local_dir
+    "data.train_batch_size": 8,
+    "data.num_prompts": 256,
+    "data.num_targets": 4,
+    "data.seed": 0,
+    "trainer.total_training_steps": 10,
+    "trainer.save_freq": 5,                     # full checkpoint every N steps (-1: never)
+    "trainer.default_local_dir": "./checkpoints/grpo",
+    "trainer.resume_mode": "auto",              # auto | disable | resume_path
+    "trainer.resume_from_path": None,
+    "trainer.seed": 0,
+    "trainer.n_gpus_per_node": 2,
+    "trainer.nnodes": 1,
+    "trainer.metrics_file": None,               # default: <default_local_dir>/metrics.jsonl
+    "trainer.storage_options": None,            # JSON dict of fsspec options (e.g. endpoint_url)
+    "trainer.crash_at_step": None,              # testing aid: SIGKILL the driver after this step
+    "trainer.step_delay_s": 0.0,                # testing aid: sleep after each step
+}
+
+# checkpoint.* keys the driver sets unless given (the library defaults otherwise)
+CHECKPOINT_DEFAULTS: dict[str, Any] = {
+    "checkpoint.allow_reshard": False,
+    "checkpoint.save_on_train_end": True,
+}
+
+
+def parse_value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("null", "none", "~"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    if text[:1] in "[{":
+        return json.loads(text)
+    return text
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``key=value`` arguments applied over the defaults; unknown keys are refused."""
+    options = {**DEFAULTS, **CHECKPOINT_DEFAULTS}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise SystemExit(f"error: expected key=value, got {arg!r}")
+        key = key.lstrip("+")
+        if key not in DEFAULTS and not key.startswith("checkpoint."):
+            close = difflib.get_close_matches(key, list(DEFAULTS), n=3)
+            raise SystemExit(f"error: unknown option {key!r}" + (f"; did you mean {close}?" if close else ""))
+        options[key] = parse_value(value)
+    if options["algorithm.adv_estimator"] not in ("grpo", "gae"):
+        raise SystemExit("error: algorithm.adv_estimator must be 'grpo' or 'gae'")
+    return options
+
+
+def section(options: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {k[len(prefix):]: v for k, v in options.items() if k.startswith(prefix)}

@@ -1,0 +1,295 @@
+"""PPO / GRPO post-training of a tiny policy with raycheckpoint, verl style.
+
+    python -m drivers.main_ppo algorithm.adv_estimator=grpo trainer.total_training_steps=10 ...
+    ray job submit --working-dir . -- python -m drivers.main_ppo ...
+
+Worker groups (each of ``trainer.n_gpus_per_node * trainer.nnodes`` ranks): actor,
+reference, reward, rollout, and critic for ``gae``.  One line per step is printed and
+appended to ``metrics.jsonl``; checkpoints follow the ``trainer.*`` and ``checkpoint.*``
+keys (see drivers/config.py).  SIGTERM (``ray job stop``, preemption) makes an emergency
+full save and exits; ``python -m raycheckpoint.request ROOT --tag T`` saves from outside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import signal
+import sys
+import time
+from typing import Any
+
+import fsspec
+import ray
+import torch
+
+from drivers import algos, data
+from drivers._ray import init_ray
+from drivers.config import parse_overrides, section
+from raycheckpoint import CheckpointConfig, CheckpointManager, ResumableSampler
+from raycheckpoint.triggers import PreemptionFlag, SaveTriggers
+from workers.group import free_port
+from workers.models import BOS, encode
+from workers.roles import CriticWorker, PolicyWorker, RewardWorker
+from workers.rollout import RolloutWorker
+
+RPC = 600.0
+
+
+class DataState:
+    """What the checkpoint's data-loader slot holds: sampler position and trigger baselines."""
+
+    def __init__(self, sampler: ResumableSampler, triggers: SaveTriggers) -> None:
+        self.sampler, self.triggers = sampler, triggers
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(), "triggers": self.triggers.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.triggers.load_state_dict(state["triggers"])
+
+
+def start_groups(opts: dict[str, Any], world: int) -> dict[str, list[Any]]:
+    model = section(opts, "actor_rollout_ref.model.")
+    seed = opts["trainer.seed"]
+    steps = opts["trainer.total_training_steps"]
+    specs: dict[str, tuple[Any, dict[str, Any]]] = {
+        "actor": (PolicyWorker, {"model": model, "seed": seed, "trainable": True,
+                                 "optim": {"lr": opts["actor_rollout_ref.actor.optim.lr"],
+                                           "end_factor": opts["actor_rollout_ref.actor.optim.end_factor"],
+                                           "total_steps": steps}}),
+        "reference": (PolicyWorker, {"model": model, "seed": seed, "trainable": False}),
+        "reward": (RewardWorker, {"model": model, "seed": seed + 1000, "trainable": False,
+                                  "value_model": True}),
+        "rollout": (RolloutWorker, {"model": model, "seed": seed,
+                                    "engine": opts["actor_rollout_ref.rollout.name"],
+                                    "temperature": opts["actor_rollout_ref.rollout.temperature"],
+                                    "max_new_tokens": opts["actor_rollout_ref.rollout.response_length"]}),
+    }
+    if opts["algorithm.adv_estimator"] == "gae":
+        specs["critic"] = (CriticWorker, {"model": model, "seed": seed + 2000, "trainable": True,
+                                          "value_model": True,
+                                          "optim": {"lr": opts["critic.optim.lr"], "total_steps": steps}})
+    groups = {}
+    for role, (cls, kwargs) in specs.items():  # start every actor first, then wait for all
+        port = free_port()
+        groups[role] = [cls.options(num_cpus=0).remote(
+            role=role, rank=r, world_size=world, master_addr="127.0.0.1", master_port=port,
+            timeout_s=RPC, **kwargs) for r in range(world)]
+    ray.get([w.ready.remote() for ws in groups.values() for w in ws], timeout=RPC)
+    return groups
+
+
+def fingerprint(opts: dict[str, Any], data_sha: int, rows: int) -> dict[str, Any]:
+    """What must not change across a strict resume (seed 003's checklist)."""
+    keep = ("actor_rollout_ref.model.", "algorithm.", "actor_rollout_ref.rollout.",
+            "actor_rollout_ref.actor.", "critic.", "reward_model.", "data.train_batch_size",
+            "trainer.seed")
+    fp = {k: v for k, v in opts.items() if k.startswith(keep)}
+    fp["data.sha256"], fp["data.rows"] = data_sha, rows
+    return fp
+
+
+def split(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    return list(torch.chunk(t, parts, dim=0))
+
+
+def per_rank(group: list[Any], method: str, batch: dict[str, torch.Tensor],
+             tensors: dict[str, torch.Tensor] | None = None, **scalars: Any) -> list[Any]:
+    """Call ``method`` on every rank with its slice of ``batch`` and of each of ``tensors``."""
+    w = len(group)
+    slices = {k: split(v, w) for k, v in batch.items()}
+    extra = {k: split(v, w) for k, v in (tensors or {}).items()}
+    return [getattr(worker, method).remote({k: v[r] for k, v in slices.items()},
+                                           **{k: v[r] for k, v in extra.items()}, **scalars)
+            for r, worker in enumerate(group)]
+
+
+class Trainer:
+    def __init__(self, opts: dict[str, Any]) -> None:
+        self.opts = opts
+        self.root = str(opts["trainer.default_local_dir"]).rstrip("/")
+        so = opts["trainer.storage_options"]
+        self.storage_options = json.loads(so) if isinstance(so, str) else dict(so or {})
+        self.world = opts["trainer.n_gpus_per_node"] * opts["trainer.nnodes"]
+        self.n = opts["actor_rollout_ref.rollout.n"]
+        self.batch_size = opts["data.train_batch_size"]
+        if self.batch_size % self.world:
+            raise SystemExit(f"error: data.train_batch_size={self.batch_size} must be a multiple "
+                             f"of the world size {self.world}")
+        self.data_path = opts["data.train_files"] or f"{self.root}/data/train.jsonl"
+        fs, path = fsspec.core.url_to_fs(self.data_path, **self.storage_options)
+        if not fs.exists(path):
+            data.generate(self.data_path, num_prompts=opts["data.num_prompts"],
+                          num_targets=opts["data.num_targets"], seed=opts["data.seed"])
+        self.rows, data_sha = data.load(self.data_path)
+        ck = {"save_dir": self.root, "storage_options": self.storage_options,
+              "save_full_interval": opts["trainer.save_freq"] if opts["trainer.save_freq"] > 0 else None,
+              "resume_mode": opts["trainer.resume_mode"], "resume_from": opts["trainer.resume_from_path"],
+              **{k: v for k, v in opts.items() if k.startswith("checkpoint.")}}
+        self.ckpt_config = CheckpointConfig.from_dict({k: v for k, v in ck.items() if v is not None})
+        self.groups = start_groups(opts, self.world)
+        self.sampler = ResumableSampler(len(self.rows), seed=opts["data.seed"])
+        self.triggers = SaveTriggers(self.ckpt_config)
+        self.manager = CheckpointManager(
+            self.ckpt_config, self.groups, dataloader=DataState(self.sampler, self.triggers),
+            fingerprint=fingerprint(opts, data_sha, len(self.rows)),
+            frozen_roles=["reference", "reward"])
+        metrics = opts["trainer.metrics_file"] or f"{self.root}/metrics.jsonl"
+        self.metrics_file = metrics
+        self.events: list[str] = []
+        self._seen_stats = 0
+
+    # ---- pieces of a step ---------------------------------------------------------------
+
+    def sync_rollout(self) -> None:
+        weights = ray.get([w.full_weights.remote() for w in self.groups["actor"]], timeout=RPC)[0]
+        ref = ray.put(weights)
+        ray.get([w.set_weights.remote(ref) for w in self.groups["rollout"]], timeout=RPC)
+
+    def rollout_and_score(self, rows: list[dict[str, Any]]):
+        prompts = [encode(r["prompt"]) for r in rows]
+        rollout = self.groups["rollout"]
+        chunk = len(prompts) // len(rollout)
+        outs = ray.get([w.generate.remote([[BOS, *p] for p in prompts[i * chunk:(i + 1) * chunk]], self.n)
+                        for i, w in enumerate(rollout)], timeout=RPC)
+        responses = [r for out in outs for r in out]
+        batch = algos.build_batch(prompts, responses, self.n)
+        targets = [rows[i // self.n]["target"] for i in range(len(responses))]
+        w = len(self.groups["reward"])
+        per = len(responses) // w
+        scored = ray.get([
+            worker.score.remote({k: v[r * per:(r + 1) * per] for k, v in batch.items()},
+                                responses[r * per:(r + 1) * per], targets[r * per:(r + 1) * per],
+                                self.opts["reward_model.rm_coef"])
+            for r, worker in enumerate(self.groups["reward"])], timeout=RPC)
+        rewards = torch.tensor([x for s in scored for x in s["reward"]])
+        rule = [x for s in scored for x in s["rule"]]
+        return batch, rewards, rule
+
+    def train_step(self) -> dict[str, Any]:
+        o = self.opts
+        rows = [self.rows[i] for i in self.sampler.next_batch(self.batch_size)]
+        batch, rewards, rule = self.rollout_and_score(rows)
+        ref_lp = torch.cat(ray.get(per_rank(self.groups["reference"], "logprobs", batch), timeout=RPC))
+        mask = batch["response_mask"]
+        out: dict[str, Any] = {}
+        if o["algorithm.adv_estimator"] == "gae":
+            values = torch.cat(ray.get(per_rank(self.groups["critic"], "values", batch), timeout=RPC))
+            adv, returns = algos.gae_advantages(rewards, values, mask, gamma=o["algorithm.gamma"],
+                                                lam=o["algorithm.lam"])
+            crit = ray.get(per_rank(self.groups["critic"], "update", batch, {"returns": returns}),
+                           timeout=RPC)
+            out["value_loss"] = sum(c["value_loss"] for c in crit) / len(crit)
+        else:
+            adv = algos.grpo_advantages(rewards, self.n, mask)
+        upd = ray.get(per_rank(self.groups["actor"], "update", batch,
+                               {"advantages": adv, "ref_logprobs": ref_lp},
+                               clip=o["actor_rollout_ref.actor.clip_ratio"],
+                               kl_coef=o["actor_rollout_ref.actor.kl_loss_coef"]), timeout=RPC)
+        self.sync_rollout()
+        out.update(loss=sum(u["loss"] for u in upd) / len(upd), kl=sum(u["kl"] for u in upd) / len(upd),
+                   reward=float(rewards.mean()), rule_reward=sum(rule) / len(rule), lr=upd[0]["lr"])
+        return out
+
+    # ---- checkpoint events ------------------------------------------------------------------
+
+    def save(self, *, kind: str, tag: str | None, reason: str) -> float:
+        t0 = time.perf_counter()
+        handle = self.manager.save_checkpoint(tag=tag, kind=kind)
+        self.triggers.saved()
+        self.events.append(f"save {handle.name} {kind}" + (f" tag={tag}" if tag else "") + f" ({reason})")
+        return time.perf_counter() - t0
+
+    def collect_commits(self) -> None:
+        stats = self.manager.checkpoint_stats
+        for s in stats[self._seen_stats:]:
+            self.events.append(f"committed {s['name']}" if s["ok"]
+                               else f"failed {s['name']}: {s.get('error')}")
+        self._seen_stats = len(stats)
+
+    def write_metrics(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, sort_keys=True)
+        print(line, flush=True)
+        fs, path = fsspec.core.url_to_fs(self.metrics_file, **self.storage_options)
+        if fs.protocol in ("file", "local") or "file" in fs.protocol:
+            fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            with fs.open(path, "a") as f:
+                f.write(line + "\n")
+        else:  # object stores cannot append: rewrite the (small) file
+            old = fs.cat_file(path).decode() if fs.exists(path) else ""
+            fs.pipe_file(path, (old + line + "\n").encode())
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        o = self.opts
+        preempt = PreemptionFlag()
+        start = 0
+        mode = o["trainer.resume_mode"]
+        if mode != "disable":
+            ref = "auto" if mode == "auto" else o["trainer.resume_from_path"]
+            loaded = self.manager.load_checkpoint(ref, strict=True)
+            if loaded is not None:
+                start = loaded.step
+                note = f" (resharded {loaded.resharded})" if loaded.resharded else ""
+                print(f"resumed from {loaded.name} at step {loaded.step}{note}", flush=True)
+                self.events.append(f"resumed {loaded.name}{note}")
+        self.sync_rollout()
+        total = o["trainer.total_training_steps"]
+        for step in range(start + 1, total + 1):
+            t0 = time.perf_counter()
+            out = self.train_step()
+            self.manager.update(step=step, epoch=self.sampler.epoch, metrics={"loss": out["loss"],
+                                                                             "reward": out["reward"]})
+            blocked, saved = 0.0, set()  # at most one save of each kind per step
+            for req in self.manager.poll_requests():
+                blocked += self.save(kind=req["kind"], tag=req["tag"], reason="requested from outside")
+                saved.add(req["kind"])
+            decision = self.triggers.check(step, loss=out["loss"], reward=out["reward"],
+                                           is_last=step == total)
+            if decision is not None and decision.kind not in saved and "full" not in saved:
+                blocked += self.save(kind=decision.kind, tag=None, reason="; ".join(decision.reasons))
+                saved.add(decision.kind)
+            if preempt.requested and self.ckpt_config.save_on_preemption and "full" not in saved:
+                blocked += self.save(kind="full", tag=None, reason="preemption (SIGTERM)")
+            self.collect_commits()
+            sha = ray.get([w.weights_sha256.remote() for w in self.groups["actor"]], timeout=RPC)[0]
+            record = {"step": step, "epoch": self.sampler.epoch, **{k: round(v, 6) for k, v in out.items()},
+                      "ckpt_events": self.events, "step_time_s": round(time.perf_counter() - t0, 4),
+                      "ckpt_blocked_s": round(blocked, 4), "actor_weights_sha256": sha}
+            self.events = []
+            self.write_metrics(record)
+            if preempt.requested:
+                self.manager.wait_for_saves(RPC)
+                print(f"stopped by signal {preempt.signum} after step {step}; emergency checkpoint "
+                      "committed", flush=True)
+                return 0
+            if step == o["trainer.crash_at_step"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if o["trainer.step_delay_s"]:
+                time.sleep(o["trainer.step_delay_s"])
+        self.manager.wait_for_saves(RPC)
+        self.collect_commits()
+        for s in self.manager.checkpoint_stats:
+            print(f"checkpoint {s['name']}: {s.get('bytes', 0) / 1e6:.2f} MB, stall "
+                  f"{s['stall_s'] * 1e3:.1f} ms, committed after {s.get('total_s', 0):.2f} s", flush=True)
+        sha = ray.get([w.weights_sha256.remote() for w in self.groups["actor"]], timeout=RPC)[0]
+        print(f"final actor weights sha256 {sha}", flush=True)
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_overrides(sys.argv[1:] if argv is None else argv)
+    init_ray()
+    trainer = Trainer(opts)
+    try:
+        return trainer.run()
+    finally:
+        trainer.manager.close(RPC)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
