@@ -14,6 +14,8 @@ def init_ray(num_cpus: int = 8) -> None:
     A local instance never joins another cluster on the machine and keeps its files in
     a fresh temporary directory.
     """
+    if ray.is_initialized():
+        return
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return

@@ -27,7 +27,16 @@ import torch
 from drivers import algos, data
 from drivers._ray import init_ray
 from drivers.config import parse_overrides, section
-from raycheckpoint import CheckpointConfig, CheckpointManager, ResumableSampler
+from raycheckpoint import (
+    CheckpointConfig,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    ConfigMismatchError,
+    IntegrityError,
+    ResumableSampler,
+    Storage,
+)
+from raycheckpoint.resume import preflight
 from raycheckpoint.triggers import PreemptionFlag, SaveTriggers
 from workers.group import free_port
 from workers.models import BOS, encode
@@ -130,17 +139,31 @@ class Trainer:
               "resume_mode": opts["trainer.resume_mode"], "resume_from": opts["trainer.resume_from_path"],
               **{k: v for k, v in opts.items() if k.startswith("checkpoint.")}}
         self.ckpt_config = CheckpointConfig.from_dict({k: v for k, v in ck.items() if v is not None})
-        self.groups = start_groups(opts, self.world)
+        self.fingerprint = fingerprint(opts, data_sha, len(self.rows))
+        roles = ["actor", "reference", "reward", "rollout"] + (
+            ["critic"] if opts["algorithm.adv_estimator"] == "gae" else [])
+        self.resume_ref = None
+        if opts["trainer.resume_mode"] != "disable":
+            # refuse a mismatched resume before starting a single worker
+            self.resume_ref = ("auto" if opts["trainer.resume_mode"] == "auto"
+                               else opts["trainer.resume_from_path"])
+            preflight(Storage(self.root, self.storage_options), self.resume_ref, self.fingerprint,
+                      dict.fromkeys(roles, self.world), allow_reshard=self.ckpt_config.allow_reshard)
         self.sampler = ResumableSampler(len(self.rows), seed=opts["data.seed"])
         self.triggers = SaveTriggers(self.ckpt_config)
-        self.manager = CheckpointManager(
-            self.ckpt_config, self.groups, dataloader=DataState(self.sampler, self.triggers),
-            fingerprint=fingerprint(opts, data_sha, len(self.rows)),
-            frozen_roles=["reference", "reward"])
         metrics = opts["trainer.metrics_file"] or f"{self.root}/metrics.jsonl"
         self.metrics_file = metrics
         self.events: list[str] = []
         self._seen_stats = 0
+
+    def start(self) -> None:
+        """Start (or join) Ray, the worker groups and the checkpoint manager."""
+        init_ray()
+        self.groups = start_groups(self.opts, self.world)
+        self.manager = CheckpointManager(
+            self.ckpt_config, self.groups, dataloader=DataState(self.sampler, self.triggers),
+            fingerprint=self.fingerprint,
+            frozen_roles=["reference", "reward"])
 
     # ---- pieces of a step ---------------------------------------------------------------
 
@@ -148,6 +171,14 @@ class Trainer:
         weights = ray.get([w.full_weights.remote() for w in self.groups["actor"]], timeout=RPC)[0]
         ref = ray.put(weights)
         ray.get([w.set_weights.remote(ref) for w in self.groups["rollout"]], timeout=RPC)
+
+    def check_rollout_synced(self) -> str:
+        """After a load: every rollout rank must hold exactly the actor's weights."""
+        actor = ray.get([w.weights_sha256.remote() for w in self.groups["actor"]], timeout=RPC)[0]
+        rollout = ray.get([w.weights_sha256.remote() for w in self.groups["rollout"]], timeout=RPC)
+        if any(r != actor for r in rollout):
+            raise RuntimeError(f"rollout weights {rollout} differ from the actor's {actor} after sync")
+        return actor
 
     def rollout_and_score(self, rows: list[dict[str, Any]]):
         prompts = [encode(r["prompt"]) for r in rows]
@@ -228,16 +259,17 @@ class Trainer:
         o = self.opts
         preempt = PreemptionFlag()
         start = 0
-        mode = o["trainer.resume_mode"]
-        if mode != "disable":
-            ref = "auto" if mode == "auto" else o["trainer.resume_from_path"]
-            loaded = self.manager.load_checkpoint(ref, strict=True)
+        if self.resume_ref is not None:
+            loaded = self.manager.load_checkpoint(self.resume_ref, strict=True)
             if loaded is not None:
                 start = loaded.step
                 note = f" (resharded {loaded.resharded})" if loaded.resharded else ""
                 print(f"resumed from {loaded.name} at step {loaded.step}{note}", flush=True)
                 self.events.append(f"resumed {loaded.name}{note}")
         self.sync_rollout()
+        if start:
+            sha = self.check_rollout_synced()
+            self.events.append(f"rollout weights re-synced from actor: sha256 {sha}")
         total = o["trainer.total_training_steps"]
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
@@ -283,8 +315,12 @@ class Trainer:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_overrides(sys.argv[1:] if argv is None else argv)
-    init_ray()
-    trainer = Trainer(opts)
+    try:
+        trainer = Trainer(opts)
+    except (ConfigMismatchError, CheckpointNotFoundError, IntegrityError) as e:
+        print(f"error: cannot resume: {e}", file=sys.stderr, flush=True)
+        return 2
+    trainer.start()
     try:
         return trainer.run()
     finally:

@@ -39,7 +39,14 @@ from raycheckpoint.errors import (
     RayCheckpointError,
 )
 from raycheckpoint.format import rng_file
-from raycheckpoint.resume import VerifiedCheckpoint, config_diff, open_verified, resolve, split_path_ref
+from raycheckpoint.resume import (
+    VerifiedCheckpoint,
+    format_differences,
+    open_verified,
+    resolve,
+    resume_differences,
+    split_path_ref,
+)
 from raycheckpoint.state import capture_rng, restore_rng
 from raycheckpoint.storage import Storage, StorageSpec
 
@@ -365,19 +372,13 @@ class CheckpointManager:
                     "Use load_model_weights() to load its weights.", name=name)
             weights_only = True
         skipped: list[str] = []
-        diffs = config_diff(ck.trainer_state.get("config_fingerprint") or {}, self.fingerprint)
-        if not self.config.allow_reshard:
-            diffs += [(f"world_size.{role}", layout.world_size, self.world_sizes[role])
-                      for role, layout in sorted(ck.manifest.roles.items())
-                      if role in self.groups and layout.world_size != self.world_sizes[role]]
+        diffs = resume_differences(ck, self.fingerprint, self.world_sizes,
+                                   allow_reshard=self.config.allow_reshard)
         if diffs and not weights_only:
-            text = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs)
             if strict:
-                raise ConfigMismatchError(
-                    f"config of {name} differs from this job's in {len(diffs)} key(s): {text}. "
-                    "Resume with the same config, or pass strict=False to load anyway.",
-                    differences=diffs)
-            skipped.append(f"config differences ignored: {text}")
+                raise ConfigMismatchError(format_differences(name, diffs), differences=diffs)
+            skipped.append("config differences ignored: "
+                           + "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs))
         missing_roles = sorted(set(self.groups) - set(ck.manifest.roles))
         if missing_roles:
             msg = f"{name} holds no state for role(s) {missing_roles} (it has {sorted(ck.manifest.roles)})"

@@ -210,3 +210,40 @@ def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[st
     """Every key whose value differs, as ``(key, saved, current)``; missing shows as None."""
     a, b = flatten(saved), flatten(current)
     return [(k, a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+
+
+def resume_differences(ck: VerifiedCheckpoint, fingerprint: dict[str, Any],
+                       world_sizes: dict[str, int], *, allow_reshard: bool) -> list[tuple[str, Any, Any]]:
+    """Everything that blocks a strict resume of ``ck`` by a job with this fingerprint."""
+    diffs = config_diff(ck.trainer_state.get("config_fingerprint") or {}, fingerprint)
+    if not allow_reshard:
+        diffs += [(f"world_size.{role}", layout.world_size, world_sizes[role])
+                  for role, layout in sorted(ck.manifest.roles.items())
+                  if role in world_sizes and layout.world_size != world_sizes[role]]
+    return diffs
+
+
+def format_differences(name: str, diffs: list[tuple[str, Any, Any]]) -> str:
+    text = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs)
+    return (f"config of {name} differs from this job's in {len(diffs)} key(s): {text}. "
+            "Resume with the same config, or pass strict=False to load anyway.")
+
+
+def preflight(storage: Storage, ref: str | int, fingerprint: dict[str, Any],
+              world_sizes: dict[str, int], *, allow_reshard: bool) -> str | None:
+    """Before any worker starts: refuse a strict resume that ``load_checkpoint`` would refuse.
+
+    Checks the checkpoint ``ref`` resolves to first (for ``"auto"``: the newest committed
+    full one); returns its name, or None when ``"auto"`` finds nothing.  Raises
+    ConfigMismatchError listing every difference.
+    """
+    from raycheckpoint.errors import ConfigMismatchError
+
+    names = resolve(storage, ref)
+    if not names:
+        return None
+    ck = open_verified(storage, names[0])
+    diffs = resume_differences(ck, fingerprint, world_sizes, allow_reshard=allow_reshard)
+    if diffs:
+        raise ConfigMismatchError(format_differences(ck.name, diffs), differences=diffs)
+    return ck.name

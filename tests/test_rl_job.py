@@ -1,0 +1,195 @@
+"""The RL job end to end, submitted with ``ray job submit`` to a Ray head this module starts.
+
+The head is a child process (``ray start --head --block``) on 127.0.0.1, ended by its
+PID.  Jobs run ``python -m drivers.main_ppo`` with one rank per role to keep the suite
+quick; multi-rank groups are covered by the Ray integration tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from raycheckpoint import ConfigMismatchError, Storage
+from raycheckpoint.format import COMMITTED, LATEST
+from workers.group import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+BASE = ["trainer.n_gpus_per_node=1", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4"]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    temp = tempfile.mkdtemp(prefix="rchead-", dir="/tmp")
+    gcs, dash = free_port(), free_port()
+    env = {**os.environ, "RAY_JOB_STOP_WAIT_TIME_S": "60"}
+    head = subprocess.Popen(
+        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+         "--num-cpus=8", f"--temp-dir={temp}", "--disable-usage-stats"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    address = f"http://127.0.0.1:{dash}"
+    deadline = time.time() + 120
+    while True:
+        probe = subprocess.run([RAY, "job", "list", "--address", address], capture_output=True,
+                               text=True, timeout=60)
+        if probe.returncode == 0:
+            break
+        if time.time() > deadline or head.poll() is not None:
+            head.kill()
+            raise RuntimeError(f"Ray head did not come up: {probe.stderr[-2000:]}")
+        time.sleep(1)
+    yield {"address": address, "gcs": f"127.0.0.1:{gcs}"}
+    head.send_signal(signal.SIGTERM)  # --block: ends every process it started
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=30)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def submit(head, args: list[str], *, wait: bool = True, timeout: float = 600):
+    cmd = [RAY, "job", "submit", "--address", head["address"], "--working-dir", str(REPO)]
+    if not wait:
+        cmd.append("--no-wait")
+    cmd += ["--", sys.executable, "-m", "drivers.main_ppo", *BASE, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def metrics(root: Path) -> dict[int, dict]:
+    """The last record of each step (a resumed run repeats the steps after its checkpoint)."""
+    out = {}
+    for line in (root / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec
+    return out
+
+
+def job_id(output: str) -> str:
+    for token in output.split():
+        if token.strip("'\"").startswith("raysubmit_"):
+            return token.strip("'\".,")
+    raise AssertionError(f"no job id in: {output}")
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gae"])
+def test_killed_job_resumes_exactly(ray_head, tmp_path, algo):
+    steps = 8
+    common = [f"algorithm.adv_estimator={algo}", f"trainer.total_training_steps={steps}",
+              "trainer.save_freq=2"]
+    a = submit(ray_head, [*common, f"trainer.default_local_dir={tmp_path / 'a'}"])
+    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+
+    crash = random.Random().randint(3, steps - 1)  # after the first committed save (step 2)
+    print(f"{algo}: SIGKILL after step {crash}")
+    b_root = tmp_path / "b"
+    b = submit(ray_head, [*common, f"trainer.default_local_dir={b_root}",
+                          f"trainer.crash_at_step={crash}"])
+    assert b.returncode != 0  # the driver was killed
+    assert max(metrics(b_root)) == crash
+    resumed = submit(ray_head, [*common, f"trainer.default_local_dir={b_root}",
+                                "trainer.resume_mode=auto"])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from step_" in resumed.stdout
+
+    ma, mb = metrics(tmp_path / "a"), metrics(b_root)
+    start = int(resumed.stdout.split("resumed from step_")[1][:8])
+    assert start <= crash
+    for step in range(start + 1, steps + 1):
+        for key in ("loss", "reward", "kl", "rule_reward", "actor_weights_sha256", "epoch"):
+            assert ma[step][key] == mb[step][key], (algo, step, key)
+    synced = [e for e in mb[start + 1]["ckpt_events"] if e.startswith("rollout weights re-synced")]
+    assert synced, mb[start + 1]
+    # after the load the rollout held exactly the actor's weights at the checkpoint
+    assert synced[0].split()[-1] == ma[start]["actor_weights_sha256"]
+    final = [ln for ln in resumed.stdout.splitlines() if ln.startswith("final actor weights")]
+    assert final and final[0].split()[-1] == ma[steps]["actor_weights_sha256"]
+
+
+def test_external_save_request_and_sigterm_emergency_save(ray_head, tmp_path):
+    root = tmp_path / "run"
+    out = submit(ray_head, ["trainer.total_training_steps=500", "trainer.save_freq=-1",
+                            "trainer.step_delay_s=0.3", f"trainer.default_local_dir={root}"],
+                 wait=False, timeout=120)
+    assert out.returncode == 0, out.stderr
+    jid = job_id(out.stdout + out.stderr)
+
+    def wait_for(pred, what, timeout=240):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if (root / "metrics.jsonl").exists() and pred(metrics(root)):
+                return metrics(root)
+            time.sleep(0.5)
+        logs = subprocess.run([RAY, "job", "logs", jid, "--address", ray_head["address"]],
+                              capture_output=True, text=True, timeout=60).stdout
+        raise AssertionError(f"timed out waiting for {what}; logs: {logs[-3000:]}")
+
+    wait_for(lambda m: len(m) >= 2, "two steps")
+    req = subprocess.run([sys.executable, "-m", "raycheckpoint.request", str(root), "--tag",
+                          "manual1", "--address", ray_head["gcs"]],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert req.returncode == 0, req.stdout + req.stderr
+    m = wait_for(lambda m: any("tag=manual1" in e for r in m.values() for e in r["ckpt_events"]),
+                 "the requested save")
+    tagged_step = next(s for s, r in m.items() if any("tag=manual1" in e for e in r["ckpt_events"]))
+    st = Storage(str(root))
+    assert st.read_bytes("tags/manual1").decode().strip() == f"step_{tagged_step:08d}"
+
+    stop = subprocess.run([RAY, "job", "stop", jid, "--address", ray_head["address"]],
+                          capture_output=True, text=True, timeout=180)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    m = metrics(root)
+    last = max(m)
+    assert any("preemption (SIGTERM)" in e for e in m[last]["ckpt_events"]), m[last]
+    assert last < 500
+    name = f"step_{last:08d}"
+    assert st.exists(f"{name}/{COMMITTED}")
+    assert st.read_bytes(LATEST).decode().strip() == name
+
+
+def test_strict_resume_refuses_every_difference(ray_head, tmp_path):
+    from drivers.config import parse_overrides
+    from drivers.main_ppo import Trainer
+
+    root = tmp_path / "run"
+    base = [*BASE, "trainer.total_training_steps=2", "trainer.save_freq=2",
+            f"trainer.default_local_dir={root}"]
+    first = submit(ray_head, base[len(BASE):])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+
+    def refused(*changes: str) -> list[str]:
+        with pytest.raises(ConfigMismatchError) as e:
+            Trainer(parse_overrides([*base, *changes]))
+        return [d[0] for d in e.value.differences]
+
+    Trainer(parse_overrides(base))  # the same config is accepted
+    assert refused("actor_rollout_ref.model.hidden_size=128") == ["actor_rollout_ref.model.hidden_size"]
+    assert refused("actor_rollout_ref.rollout.n=8") == ["actor_rollout_ref.rollout.n"]
+    assert refused("algorithm.adv_estimator=gae") == ["algorithm.adv_estimator"]
+    assert refused("actor_rollout_ref.actor.kl_loss_coef=0.5") == ["actor_rollout_ref.actor.kl_loss_coef"]
+    assert set(refused("trainer.n_gpus_per_node=2")) == {
+        f"world_size.{r}" for r in ("actor", "reference", "reward", "rollout")}
+    with open(root / "data" / "train.jsonl", "a") as f:  # a row added to the dataset
+        f.write(json.dumps({"id": 999, "prompt": "aaa:", "target": "a"}) + "\n")
+    assert set(refused()) == {"data.rows", "data.sha256"}
+    # restore the data and allow resharding: resumes on 2 ranks and says so
+    lines = (root / "data" / "train.jsonl").read_text().splitlines()[:-1]
+    (root / "data" / "train.jsonl").write_text("\n".join(lines) + "\n")
+    resharded = submit(ray_head, [*base[len(BASE):], "trainer.total_training_steps=3",
+                                  "trainer.n_gpus_per_node=2", "checkpoint.allow_reshard=true"])
+    assert resharded.returncode == 0, resharded.stdout[-3000:] + resharded.stderr[-3000:]
+    assert "resumed from step_00000002 at step 2 (resharded" in resharded.stdout
