@@ -1,55 +1,85 @@
-"""Save -> crash -> resume, proven exact.
+"""The main job, demonstrated: GRPO training with checkpoints, a SIGKILL, an exact resume.
 
-    python -m drivers.demo [--root ./checkpoints/demo] [--steps 12] [--crash-at 7]
+    python -m drivers.demo [--root ./checkpoints/demo] [--steps 40] [--crash-at 23]
+                           [key=value ...]   (any drivers.main_ppo option)
 
-1. a run that checkpoints every 3 steps is SIGKILLed after step ``--crash-at``;
-2. the same command resumes from the newest checkpoint that verifies and finishes;
-3. a straight run without a crash trains the same steps in a separate root.
-The demo prints the checkpoints on storage and whether the final weights of 2 and 3
-are bitwise identical (exit code 1 if not).
+1. a straight run of ``--steps`` GRPO steps (full checkpoint every 5 steps, light every 2);
+2. the same job in another root, SIGKILLed after step ``--crash-at``, as an OOM or a
+   preemption would;
+3. the same command again: it resumes from the newest checkpoint that verifies.
+It prints the reward curve, the training time blocked per save, and whether the resumed
+run's metrics and final weights are bitwise those of the straight run (exit 1 if not).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 
-def run(args: list[str]) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-m", "drivers.train_tiny", *args],
-                          capture_output=True, text=True, timeout=900)
-    for line in proc.stdout.splitlines():
-        print("   ", line)
+def run(args: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "drivers.main_ppo", *args],
+                          capture_output=True, text=True, timeout=1800)
     if proc.returncode not in (0, -9):
-        print(proc.stderr[-4000:], file=sys.stderr)
-    shas = [ln.split()[-1] for ln in proc.stdout.splitlines() if ln.startswith("final weights")]
-    return proc.returncode, shas[-1] if shas else ""
+        print(proc.stdout[-3000:], proc.stderr[-4000:], file=sys.stderr)
+    return proc
+
+
+def records(root: Path) -> dict[int, dict]:
+    out = {}
+    for line in (root / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec
+    return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", default="./checkpoints/demo")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--crash-at", type=int, default=7)
-    args = p.parse_args()
-    root = Path(args.root)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--crash-at", type=int, default=23)
+    args, extra = p.parse_known_args()
+    root = Path(args.root).resolve()
     shutil.rmtree(root, ignore_errors=True)
-    common = ["--steps", str(args.steps), "--save-every", "3", "--light-every", "2"]
+    common = [f"trainer.total_training_steps={args.steps}", "trainer.save_freq=5",
+              "checkpoint.save_interval=2", "checkpoint.keep_last_n=2",
+              "checkpoint.keep_last_n_light=2", *extra]
 
-    print(f"[1/3] training to step {args.steps}, SIGKILL after step {args.crash_at}")
-    rc, _ = run(["--root", str(root / "run"), *common, "--crash-at", str(args.crash_at)])
-    print(f"      driver exit code {rc} (-9 = killed)")
-    print("[2/3] same command again: resume from the newest verified checkpoint")
-    rc2, resumed = run(["--root", str(root / "run"), *common])
-    print("[3/3] a straight run without crash, for comparison")
-    rc3, straight = run(["--root", str(root / "straight"), *common])
-    print("checkpoints on storage:",
-          sorted(p.name for p in (root / "run").iterdir() if p.name.startswith("step_")))
-    same = rc2 == 0 and rc3 == 0 and resumed != "" and resumed == straight
-    print(f"resumed run == straight run (bitwise weights): {same}")
+    print(f"[1/3] straight run: {args.steps} GRPO steps -> {root / 'straight'}", flush=True)
+    a = run([*common, f"trainer.default_local_dir={root / 'straight'}"])
+    if a.returncode != 0:
+        return 1
+    ra = records(root / "straight")
+    for step in range(1, args.steps + 1, 5):
+        window = [ra[s]["reward"] for s in range(step, min(step + 5, args.steps + 1))]
+        print(f"      steps {step:3d}-{step + len(window) - 1:3d}: mean reward "
+              f"{sum(window) / len(window):.3f}", flush=True)
+    saves = [r["ckpt_blocked_s"] for r in ra.values() if any(e.startswith("save ") for e in r["ckpt_events"])]
+    print(f"      {len(saves)} saves; training blocked per save: median "
+          f"{sorted(saves)[len(saves) // 2] * 1e3:.1f} ms, max {max(saves) * 1e3:.1f} ms", flush=True)
+
+    crash_root = root / "crashed"
+    print(f"[2/3] same job in {crash_root}, SIGKILL after step {args.crash_at}", flush=True)
+    b = run([*common, f"trainer.default_local_dir={crash_root}", f"trainer.crash_at_step={args.crash_at}"])
+    print(f"      driver exit code {b.returncode} (-9: killed); checkpoints left: "
+          f"{sorted(p.name for p in crash_root.iterdir() if p.name.startswith('step_'))}", flush=True)
+    print("[3/3] the same command again: resume from the newest checkpoint that verifies", flush=True)
+    c = run([*common, f"trainer.default_local_dir={crash_root}"])
+    if c.returncode != 0:
+        return 1
+    resumed = [ln for ln in c.stdout.splitlines() if ln.startswith("resumed from")]
+    print(f"      {resumed[0] if resumed else 'did not resume'}", flush=True)
+    rb = records(crash_root)
+    start = int(resumed[0].split("step_")[1][:8]) if resumed else 0
+    same = bool(resumed) and all(
+        ra[s][k] == rb[s][k] for s in range(start + 1, args.steps + 1)
+        for k in ("loss", "reward", "kl", "actor_weights_sha256"))
+    print(f"resumed run == straight run (metrics and weights, bitwise, steps {start + 1}-{args.steps}): "
+          f"{same}", flush=True)
     return 0 if same else 1
 
 
