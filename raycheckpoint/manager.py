@@ -42,10 +42,10 @@ from raycheckpoint.format import rng_file
 from raycheckpoint.resume import (
     VerifiedCheckpoint,
     format_differences,
+    locate,
     open_verified,
     resolve,
     resume_differences,
-    split_path_ref,
 )
 from raycheckpoint.state import capture_rng, restore_rng
 from raycheckpoint.storage import Storage, StorageSpec
@@ -322,16 +322,7 @@ class CheckpointManager:
     # ---- load -------------------------------------------------------------------------------------
 
     def _storage_for(self, ref: str | int) -> tuple[Storage, str | int]:
-        if isinstance(ref, str) and ("/" in ref or "://" in ref):
-            split = split_path_ref(ref)
-            if split is None:
-                raise CheckpointNotFoundError(
-                    f"{ref!r} is not a checkpoint directory (expected <root>/step_NNNNNNNN)", ref=ref)
-            root, name = split
-            if root.rstrip("/") in (self.storage.url().rstrip("/"), self.config.save_dir.rstrip("/")):
-                return self.storage, name
-            return StorageSpec(root, dict(self.config.storage_options)).open(), name
-        return self.storage, ref
+        return locate(self.storage, ref, self.config.storage_options)
 
     def load_checkpoint(self, ref: str | int = "auto", strict: bool = True) -> LoadResult | None:
         """Resume from ``ref`` (path, step, tag, ``"latest"`` or ``"auto"``).

@@ -82,6 +82,21 @@ def split_path_ref(ref: str) -> tuple[str, str] | None:
     return parent, name
 
 
+def locate(storage: Storage, ref: str | int,
+           options: dict[str, Any] | None = None) -> tuple[Storage, str | int]:
+    """The storage a reference lives in: a path ``<root>/step_N`` may name another root."""
+    if not (isinstance(ref, str) and ("/" in ref or "://" in ref)):
+        return storage, ref
+    split = split_path_ref(ref)
+    if split is None:
+        raise CheckpointNotFoundError(
+            f"{ref!r} is not a checkpoint directory (expected <root>/step_NNNNNNNN)", ref=ref)
+    root, name = split
+    if root.rstrip("/") in (storage.url().rstrip("/"), storage.uri.rstrip("/")):
+        return storage, name
+    return Storage(root, dict(options or {})), name
+
+
 def resolve(storage: Storage, ref: str | int) -> list[str]:
     """Candidate step directory names for ``ref`` in ``storage``, best first."""
     markers, _ = catalog.scan(storage)
@@ -239,6 +254,7 @@ def preflight(storage: Storage, ref: str | int, fingerprint: dict[str, Any],
     """
     from raycheckpoint.errors import ConfigMismatchError
 
+    storage, ref = locate(storage, ref, storage.options)
     names = resolve(storage, ref)
     if not names:
         return None

