@@ -35,7 +35,12 @@ BASE = ["trainer.n_gpus_per_node=1", "data.train_batch_size=4", "actor_rollout_r
 def ray_head():
     temp = tempfile.mkdtemp(prefix="rchead-", dir="/tmp")
     gcs, dash = free_port(), free_port()
-    env = {**os.environ, "RAY_JOB_STOP_WAIT_TIME_S": "60"}
+    # token authentication on, explicitly: the head and every client (job CLI, drivers,
+    # request tool) use the token in ~/.ray, made here if this machine has none yet
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_JOB_STOP_WAIT_TIME_S": "60"}
+    if not (Path.home() / ".ray" / "auth_token").exists():
+        subprocess.run([RAY, "get-auth-token", "--generate"], env=env, check=True,
+                       capture_output=True, timeout=60)
     head = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
@@ -45,14 +50,14 @@ def ray_head():
     deadline = time.time() + 120
     while True:
         probe = subprocess.run([RAY, "job", "list", "--address", address], capture_output=True,
-                               text=True, timeout=60)
+                               text=True, timeout=60, env=env)
         if probe.returncode == 0:
             break
         if time.time() > deadline or head.poll() is not None:
             head.kill()
             raise RuntimeError(f"Ray head did not come up: {probe.stderr[-2000:]}")
         time.sleep(1)
-    yield {"address": address, "gcs": f"127.0.0.1:{gcs}"}
+    yield {"address": address, "gcs": f"127.0.0.1:{gcs}", "env": env}
     head.send_signal(signal.SIGTERM)  # --block: ends every process it started
     try:
         head.wait(timeout=60)
@@ -67,7 +72,8 @@ def submit(head, args: list[str], *, wait: bool = True, timeout: float = 600):
     if not wait:
         cmd.append("--no-wait")
     cmd += ["--", sys.executable, "-m", "drivers.main_ppo", *BASE, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=head["env"])
 
 
 def metrics(root: Path) -> dict[int, dict]:
@@ -138,13 +144,13 @@ def test_external_save_request_and_sigterm_emergency_save(ray_head, tmp_path):
                 return metrics(root)
             time.sleep(0.5)
         logs = subprocess.run([RAY, "job", "logs", jid, "--address", ray_head["address"]],
-                              capture_output=True, text=True, timeout=60).stdout
+                              capture_output=True, text=True, timeout=60, env=ray_head["env"]).stdout
         raise AssertionError(f"timed out waiting for {what}; logs: {logs[-3000:]}")
 
     wait_for(lambda m: len(m) >= 2, "two steps")
     req = subprocess.run([sys.executable, "-m", "raycheckpoint.request", str(root), "--tag",
                           "manual1", "--address", ray_head["gcs"]],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
+                         capture_output=True, text=True, timeout=120, cwd=REPO, env=ray_head["env"])
     assert req.returncode == 0, req.stdout + req.stderr
     m = wait_for(lambda m: any("tag=manual1" in e for r in m.values() for e in r["ckpt_events"]),
                  "the requested save")
@@ -153,7 +159,7 @@ def test_external_save_request_and_sigterm_emergency_save(ray_head, tmp_path):
     assert st.read_bytes("tags/manual1").decode().strip() == f"step_{tagged_step:08d}"
 
     stop = subprocess.run([RAY, "job", "stop", jid, "--address", ray_head["address"]],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=180, env=ray_head["env"])
     assert stop.returncode == 0, stop.stdout + stop.stderr
     m = metrics(root)
     last = max(m)

@@ -4,12 +4,12 @@ It is the trainable-role worker of the core tests, demo and benchmarks: a small
 decoder-style language model (embeddings, MLP blocks, LM head) built from a config
 (nothing downloaded), sharded with ``fully_shard`` on a CPU device mesh over gloo,
 trained with AdamW and a linear LR schedule.  Its checkpoint state is the FSDP2
-sharded (DTensor) model and optimizer state dicts plus the scheduler state.
+sharded (DTensor) model and optimizer state dicts plus the scheduler state (all from
+:class:`~workers.sharded.ShardedModelWorker`).
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,14 +20,10 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
-from raycheckpoint.worker import CheckpointableWorker
-from workers.group import init_process_group
+from raycheckpoint._internal import faults
+from workers.sharded import ShardedModelWorker
 
 
 @dataclass(frozen=True)
@@ -68,28 +64,26 @@ class TinyLM(nn.Module):
 
 
 @ray.remote
-class FSDPTrainWorker(CheckpointableWorker):
+class FSDPTrainWorker(ShardedModelWorker):
+    """A rank of a data-parallel TinyLM training group (the core tests' trainable role)."""
+
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str,
                  master_port: int, timeout_s: float = 120.0, model: dict | None = None,
                  seed: int = 0) -> None:
-        self.role, self.rank, self.world_size = role, rank, world_size
-        init_process_group(rank=rank, world_size=world_size, master_addr=master_addr,
-                           master_port=master_port, timeout_s=timeout_s)
         self.cfg = TinyLMConfig(**(model or {}))
-        torch.manual_seed(seed)  # identical initial weights on every rank
-        self.model = TinyLM(self.cfg)
-        mesh = init_device_mesh("cpu", (world_size,))
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
-        self.sched = torch.optim.lr_scheduler.LinearLR(
-            self.optim, start_factor=1.0, end_factor=0.1, total_iters=self.cfg.total_steps)
-        self.steps = 0
+        super().__init__(role=role, rank=rank, world_size=world_size, master_addr=master_addr,
+                         master_port=master_port, timeout_s=timeout_s, seed=seed,
+                         optim={"lr": self.cfg.lr, "end_factor": 0.1,
+                                "total_steps": self.cfg.total_steps})
         torch.manual_seed(seed * 1000 + rank + 1)  # per-rank stream from here on
 
+    def build_model(self, model: dict, seed: int, value_model: bool) -> tuple[nn.Module, nn.ModuleList]:
+        torch.manual_seed(seed)  # identical initial weights on every rank
+        net = TinyLM(self.cfg)
+        return net, net.blocks
+
     def ready(self) -> dict[str, Any]:
-        n = sum(p.to_local().numel() for p in self.model.parameters())
+        n = sum(p.to_local().numel() for p in self.net.parameters())
         return {"rank": self.rank, "local_params": n, "config": asdict(self.cfg)}
 
     def train_step(self, batch_seed: int) -> float:
@@ -101,61 +95,25 @@ class FSDPTrainWorker(CheckpointableWorker):
         tokens[:, 1:] = (tokens[:, :-1] + 1) % self.cfg.vocab_size
         noise = torch.rand(tokens.shape) < 0.05  # drawn from the per-rank RNG (saved, restored)
         tokens = torch.where(noise, torch.randint_like(tokens, self.cfg.vocab_size), tokens)
-        logits = self.model(tokens[:, :-1])
+        logits = self.net(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, self.cfg.vocab_size),
                                            tokens[:, 1:].reshape(-1))
-        self.optim.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optim.step()
-        self.sched.step()
-        self.steps += 1
+        self._optimizer_step(loss)
         return float(loss.detach())
 
     def full_state(self) -> dict[str, Any]:
         """Full (unsharded) model and optimizer state, gathered on every rank (tests)."""
         opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
-        return {"model": get_model_state_dict(self.model, options=opts),
-                "optim": get_optimizer_state_dict(self.model, self.optim, options=opts),
+        return {"model": get_model_state_dict(self.net, options=opts),
+                "optim": get_optimizer_state_dict(self.net, self.optim, options=opts),
                 "sched": self.sched.state_dict(), "steps": self.steps}
-
-    def weights_sha256(self) -> str:
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        h = hashlib.sha256()
-        for k in sorted(sd):
-            h.update(k.encode())
-            h.update(sd[k].detach().contiguous().numpy().tobytes())
-        return h.hexdigest()
 
     def rng_probe(self) -> float:
         """A draw from this rank's torch RNG (tests compare it across resume)."""
         return float(torch.rand(()))
 
     def arm_fault(self, point: str, action: str = "raise") -> None:
-        from raycheckpoint._internal import faults
-
         faults.arm(point, action)
 
     def disarm_faults(self) -> None:
-        from raycheckpoint._internal import faults
-
         faults.disarm()
-
-    # ---- CheckpointableWorker hooks ---------------------------------------------------------
-
-    def ckpt_state_dict(self, kind: str) -> dict[str, Any]:
-        state = {"model": get_model_state_dict(self.model)}
-        if kind == "full":
-            state["optim"] = get_optimizer_state_dict(self.model, self.optim)
-        return state
-
-    def ckpt_load_state_dict(self, state: dict[str, Any], kind: str) -> None:
-        set_model_state_dict(self.model, state["model"])
-        if "optim" in state:
-            set_optimizer_state_dict(self.model, self.optim, state["optim"])
-
-    def ckpt_extra_state(self) -> dict[str, Any]:
-        return {"scheduler": self.sched.state_dict(), "steps": self.steps}
-
-    def ckpt_load_extra_state(self, extra: dict[str, Any]) -> None:
-        self.sched.load_state_dict(extra["scheduler"])
-        self.steps = int(extra["steps"])

@@ -8,6 +8,7 @@ the same backbone with a scalar head.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -95,6 +96,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if isinstance(model, ValueModel):
         return model.layers
     return model.model.layers
+
+
+def state_sha256(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over a state dict's names and float32 values, in name order."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].detach().contiguous().float().numpy().tobytes())
+    return h.hexdigest()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ and its RNG position; after every load the driver re-syncs the weights from the 
 from __future__ import annotations
 
 import base64
-import hashlib
 import os
 import tempfile
 from typing import Any
@@ -28,15 +27,7 @@ import ray
 import torch
 
 from raycheckpoint.worker import CheckpointableWorker
-from workers.models import EOS, PAD, build_causal_lm, build_tokenizer, token_logprobs
-
-
-def _sha256(state: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(state):
-        h.update(k.encode())
-        h.update(state[k].detach().contiguous().float().numpy().tobytes())
-    return h.hexdigest()
+from workers.models import EOS, PAD, build_causal_lm, build_tokenizer, state_sha256, token_logprobs
 
 
 class HFEngine:
@@ -52,7 +43,7 @@ class HFEngine:
         self.net.load_state_dict(weights)
 
     def weights_sha256(self) -> str:
-        return _sha256(self.net.state_dict())
+        return state_sha256(self.net.state_dict())
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -127,7 +118,7 @@ class VLLMEngine:
 
     def weights_sha256(self) -> str:
         """sha256 of the weights the engine serves (checked against them on every sync)."""
-        return _sha256(self.reference.state_dict())
+        return state_sha256(self.reference.state_dict())
 
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         from vllm import SamplingParams

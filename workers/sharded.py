@@ -11,10 +11,10 @@ checkpoints reference those bytes.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 from raycheckpoint.worker import CheckpointableWorker
 from workers.group import init_process_group
-from workers.models import ValueModel, build_causal_lm, decoder_layers
+from workers.models import ValueModel, build_causal_lm, decoder_layers, state_sha256
 
 
 class ShardedModelWorker(CheckpointableWorker):
@@ -38,10 +38,9 @@ class ShardedModelWorker(CheckpointableWorker):
         self.role, self.rank, self.world_size = role, rank, world_size
         init_process_group(rank=rank, world_size=world_size, master_addr=master_addr,
                            master_port=master_port, timeout_s=timeout_s)
-        model = dict(model or {})
-        self.net = ValueModel(model, seed) if value_model else build_causal_lm(model, seed)
+        self.net, layers = self.build_model(dict(model or {}), seed, value_model)
         mesh = init_device_mesh("cpu", (world_size,))
-        for layer in decoder_layers(self.net):
+        for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.net, mesh=mesh)
         self.trainable = trainable
@@ -57,6 +56,12 @@ class ShardedModelWorker(CheckpointableWorker):
         else:
             self.net.requires_grad_(False)
             self.net.eval()
+
+    def build_model(self, model: dict[str, Any], seed: int,
+                    value_model: bool) -> tuple[nn.Module, nn.ModuleList]:
+        """The unsharded model (same weights on every rank) and the layers to shard."""
+        net = ValueModel(model, seed) if value_model else build_causal_lm(model, seed)
+        return net, decoder_layers(net)
 
     def ready(self) -> dict[str, Any]:
         return {"role": self.role, "rank": self.rank, "trainable": self.trainable}
@@ -77,12 +82,8 @@ class ShardedModelWorker(CheckpointableWorker):
         return sd if self.rank == 0 else None
 
     def weights_sha256(self) -> str:
-        sd = get_model_state_dict(self.net, options=StateDictOptions(full_state_dict=True))
-        h = hashlib.sha256()
-        for k in sorted(sd):
-            h.update(k.encode())
-            h.update(sd[k].detach().contiguous().float().numpy().tobytes())
-        return h.hexdigest()
+        return state_sha256(get_model_state_dict(self.net,
+                                                 options=StateDictOptions(full_state_dict=True)))
 
     # ---- CheckpointableWorker hooks --------------------------------------------------------
 
