@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 
 def run(args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "drivers.main_ppo", *args],
-                          capture_output=True, text=True, timeout=1800)
+    child = subprocess.Popen([sys.executable, "-m", "drivers.main_ppo", *args], text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    out, err = child.communicate(timeout=1800)
+    try:  # a SIGKILLed driver leaves its local Ray's agents behind: end its process group
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc = subprocess.CompletedProcess(child.args, child.returncode, out, err)
     if proc.returncode not in (0, -9):
         print(proc.stdout[-3000:], proc.stderr[-4000:], file=sys.stderr)
     return proc

@@ -35,6 +35,10 @@ BASE = ["trainer.n_gpus_per_node=1", "data.train_batch_size=4", "actor_rollout_r
 def ray_head():
     temp = tempfile.mkdtemp(prefix="rchead-", dir="/tmp")
     gcs, dash = free_port(), free_port()
+    # every port explicit: agents of a SIGKILLed local driver elsewhere may hold the defaults
+    ports = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+             f"--ray-client-server-port={free_port()}"]
     # token authentication on, explicitly: the head and every client (job CLI, drivers,
     # request tool) use the token in ~/.ray, made here if this machine has none yet
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_JOB_STOP_WAIT_TIME_S": "60"}
@@ -44,18 +48,22 @@ def ray_head():
     head = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-         "--num-cpus=8", f"--temp-dir={temp}", "--disable-usage-stats"],
+         "--num-cpus=8", f"--temp-dir={temp}", "--disable-usage-stats", *ports],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
     deadline = time.time() + 120
     while True:
-        probe = subprocess.run([RAY, "job", "list", "--address", address], capture_output=True,
-                               text=True, timeout=60, env=env)
+        # ready when a job can be submitted: the job agent comes up after the job server
+        probe = subprocess.run([RAY, "job", "submit", "--address", address, "--",
+                                sys.executable, "-c", "pass"], capture_output=True,
+                               text=True, timeout=120, env=env)
         if probe.returncode == 0:
             break
         if time.time() > deadline or head.poll() is not None:
             head.kill()
-            raise RuntimeError(f"Ray head did not come up: {probe.stderr[-2000:]}")
+            logs = Path(temp, "session_latest", "logs")
+            agent = "".join(p.read_text()[-1500:] for p in sorted(logs.glob("dashboard_agent*")))
+            raise RuntimeError(f"Ray head did not come up: {probe.stderr[-1000:]}\n{agent}")
         time.sleep(1)
     yield {"address": address, "gcs": f"127.0.0.1:{gcs}", "env": env}
     head.send_signal(signal.SIGTERM)  # --block: ends every process it started
