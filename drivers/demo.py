@@ -14,13 +14,14 @@ run's metrics and final weights are bitwise those of the straight run (exit 1 if
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from drivers.metrics import read_metrics
 
 
 def run(args: list[str]) -> subprocess.CompletedProcess:
@@ -35,14 +36,6 @@ def run(args: list[str]) -> subprocess.CompletedProcess:
     if proc.returncode not in (0, -9):
         print(proc.stdout[-3000:], proc.stderr[-4000:], file=sys.stderr)
     return proc
-
-
-def records(root: Path) -> dict[int, dict]:
-    out = {}
-    for line in (root / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec
-    return out
 
 
 def main() -> int:
@@ -61,7 +54,7 @@ def main() -> int:
     a = run([*common, f"trainer.default_local_dir={root / 'straight'}"])
     if a.returncode != 0:
         return 1
-    ra = records(root / "straight")
+    ra = read_metrics(root / "straight" / "metrics.jsonl")
     for step in range(1, args.steps + 1, 5):
         window = [ra[s]["reward"] for s in range(step, min(step + 5, args.steps + 1))]
         print(f"      steps {step:3d}-{step + len(window) - 1:3d}: mean reward "
@@ -81,7 +74,7 @@ def main() -> int:
         return 1
     resumed = [ln for ln in c.stdout.splitlines() if ln.startswith("resumed from")]
     print(f"      {resumed[0] if resumed else 'did not resume'}", flush=True)
-    rb = records(crash_root)
+    rb = read_metrics(crash_root / "metrics.jsonl")
     start = int(resumed[0].split("step_")[1][:8]) if resumed else 0
     same = bool(resumed) and all(
         ra[s][k] == rb[s][k] for s in range(start + 1, args.steps + 1)

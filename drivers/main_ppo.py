@@ -23,6 +23,7 @@ from typing import Any
 import fsspec
 import ray
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from drivers import algos, data
 from drivers._ray import init_ray
@@ -245,7 +246,7 @@ class Trainer:
         line = json.dumps(record, sort_keys=True)
         print(line, flush=True)
         fs, path = fsspec.core.url_to_fs(self.metrics_file, **self.storage_options)
-        if fs.protocol in ("file", "local") or "file" in fs.protocol:
+        if isinstance(fs, LocalFileSystem):
             fs.makedirs(posixpath.dirname(path), exist_ok=True)
             with fs.open(path, "a") as f:
                 f.write(line + "\n")

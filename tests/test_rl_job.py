@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from drivers.metrics import read_metrics
 from raycheckpoint import ConfigMismatchError, Storage
 from raycheckpoint.format import COMMITTED, LATEST
 from workers.group import free_port
@@ -85,12 +86,7 @@ def submit(head, args: list[str], *, wait: bool = True, timeout: float = 600):
 
 
 def metrics(root: Path) -> dict[int, dict]:
-    """The last record of each step (a resumed run repeats the steps after its checkpoint)."""
-    out = {}
-    for line in (root / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec
-    return out
+    return read_metrics(root / "metrics.jsonl")
 
 
 def job_id(output: str) -> str:

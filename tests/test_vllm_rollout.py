@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from drivers.metrics import read_metrics
 
 pytest.importorskip("vllm", reason="the [vllm] extra is not installed")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -25,7 +26,7 @@ def run(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def records(root: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (root / "metrics.jsonl").read_text().splitlines())}
+    return read_metrics(root / "metrics.jsonl")
 
 
 def test_vllm_rollout_resumes_exactly_and_resyncs(tmp_path):
