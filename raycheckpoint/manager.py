@@ -150,7 +150,8 @@ class CheckpointManager:
 
     def __init__(self, config: CheckpointConfig, worker_groups: dict[str, list[Any]], *,
                  dataloader: Any = None, fingerprint: dict[str, Any] | None = None,
-                 frozen_roles: tuple[str, ...] | list[str] = ()) -> None:
+                 frozen_roles: tuple[str, ...] | list[str] = (),
+                 prepare_buffers: bool = True) -> None:
         if config.encryption_key is not None:
             raise NotImplementedError(
                 "checkpoint encryption (encryption_key) is not available in this release; "
@@ -182,6 +183,9 @@ class CheckpointManager:
               for role, ws in self.groups.items() for rank, w in enumerate(ws)], rpc)
         _get(self._coordinator.register_workers.remote(self.workers), rpc)
         self._refresh_identities()
+        if prepare_buffers:  # first-touch the host buffers now, not in the first save's stall
+            _get([w.ckpt_prepare.remote("full") for role, ws in self.groups.items()
+                  if role not in self.frozen_roles for w in ws], rpc)
 
     # ---- helpers --------------------------------------------------------------------------------
 

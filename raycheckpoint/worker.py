@@ -80,6 +80,10 @@ class CheckpointableWorker:
             raise RuntimeError(f"{type(self).__name__}: ckpt_setup() was not called")
         return self._ckpt_saver
 
+    def ckpt_prepare(self, kind: str = "full") -> int:
+        """Allocate and touch the staging buffers for ``kind`` now; returns their bytes."""
+        return self._saver().prepare(kind, self.ckpt_state_dict(kind))
+
     def ckpt_snapshot(self, save_id: str, step_dir: str, kind: str, coordinator: Any,
                       wait_timeout_s: float = 1800.0) -> dict[str, Any]:
         saver = self._saver()

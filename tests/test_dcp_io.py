@@ -76,3 +76,22 @@ def test_file_not_in_manifest_is_refused(tmp_path):
     reader = VerifyingStorageReader(storage, "step_00000001/actor", {})
     with pytest.raises(IntegrityError, match="not listed in the checkpoint's manifest"):
         load_verified({"model": {"w": torch.zeros(64, 32)}}, reader, no_dist=True)
+
+
+def test_prepared_buffers_are_reused_and_restaged_fresh(tmp_path):
+    from raycheckpoint.snapshot import ShardSaver
+    from raycheckpoint.storage import StorageSpec
+
+    saver = ShardSaver(role="actor", rank=0, world_size=1, storage=StorageSpec(str(tmp_path)))
+    state = _state()
+    assert saver.prepare("full", state) == (64 * 32 + 32 + 1) * 4
+    prepared = saver._buffers["full"][1]
+    state["model"]["w"].add_(1.0)
+    state["optim"]["lr"] = 0.5  # non-tensor leaves change between saves too
+    staged = saver._stage("full", state)
+    assert staged["model"]["w"].data_ptr() == prepared["model"]["w"].data_ptr()  # no new memory
+    assert torch.equal(staged["model"]["w"], state["model"]["w"])
+    assert staged["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()  # a copy
+    assert staged["optim"]["lr"] == 0.5
+    light = saver._stage("light", {"model": state["model"]})  # shares the full buffers
+    assert light["model"]["w"].data_ptr() == prepared["model"]["w"].data_ptr()
