@@ -102,13 +102,18 @@ def fingerprint(opts: dict[str, Any], data_sha: int, rows: int) -> dict[str, Any
     return fp
 
 
-def split(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    return list(torch.chunk(t, parts, dim=0))
+def split(t: torch.Tensor | list[Any], parts: int) -> list[Any]:
+    """Contiguous per-rank slices of a tensor (along dim 0) or a list, as torch.chunk cuts."""
+    if isinstance(t, torch.Tensor):
+        return list(torch.chunk(t, parts, dim=0))
+    size = -(-len(t) // parts)
+    return [t[i * size:(i + 1) * size] for i in range(parts)]
 
 
 def per_rank(group: list[Any], method: str, batch: dict[str, torch.Tensor],
-             tensors: dict[str, torch.Tensor] | None = None, **scalars: Any) -> list[Any]:
-    """Call ``method`` on every rank with its slice of ``batch`` and of each of ``tensors``."""
+             tensors: dict[str, torch.Tensor | list[Any]] | None = None, **scalars: Any) -> list[Any]:
+    """Call ``method`` on every rank with its slice of ``batch`` and of each of ``tensors``
+    (tensors or per-sample lists)."""
     w = len(group)
     slices = {k: split(v, w) for k, v in batch.items()}
     extra = {k: split(v, w) for k, v in (tensors or {}).items()}
@@ -190,13 +195,9 @@ class Trainer:
         responses = [r for out in outs for r in out]
         batch = algos.build_batch(prompts, responses, self.n)
         targets = [rows[i // self.n]["target"] for i in range(len(responses))]
-        w = len(self.groups["reward"])
-        per = len(responses) // w
-        scored = ray.get([
-            worker.score.remote({k: v[r * per:(r + 1) * per] for k, v in batch.items()},
-                                responses[r * per:(r + 1) * per], targets[r * per:(r + 1) * per],
-                                self.opts["reward_model.rm_coef"])
-            for r, worker in enumerate(self.groups["reward"])], timeout=RPC)
+        scored = ray.get(per_rank(self.groups["reward"], "score", batch,
+                                  {"responses": responses, "targets": targets},
+                                  rm_coef=self.opts["reward_model.rm_coef"]), timeout=RPC)
         rewards = torch.tensor([x for s in scored for x in s["reward"]])
         rule = [x for s in scored for x in s["rule"]]
         return batch, rewards, rule

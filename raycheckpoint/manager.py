@@ -325,15 +325,12 @@ class CheckpointManager:
 
     # ---- load -------------------------------------------------------------------------------------
 
-    def _storage_for(self, ref: str | int) -> tuple[Storage, str | int]:
-        return locate(self.storage, ref, self.config.storage_options)
-
     def load_checkpoint(self, ref: str | int = "auto", strict: bool = True) -> LoadResult | None:
         """Resume from ``ref`` (path, step, tag, ``"latest"`` or ``"auto"``).
 
         Returns None when ``ref == "auto"`` and the root holds no checkpoint (fresh start).
         """
-        storage, ref = self._storage_for(ref)
+        storage, ref = locate(self.storage, ref, self.config.storage_options)
         names = resolve(storage, ref)
         if not names:
             return None  # only "auto" resolves to nothing
@@ -352,7 +349,7 @@ class CheckpointManager:
 
     def load_model_weights(self, ref: str | int = "latest") -> LoadResult:
         """Load only model weights from a light or full checkpoint into every worker."""
-        storage, ref = self._storage_for(ref)
+        storage, ref = locate(self.storage, ref, self.config.storage_options)
         if ref == "auto":
             ref = "latest"
         return self._load(storage, resolve(storage, ref)[0], strict=False, weights_only=True)
