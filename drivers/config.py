@@ -89,5 +89,22 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return options
 
 
+def from_mapping(config: dict[str, Any]) -> dict[str, Any]:
+    """Options from a mapping (flat dotted keys, or nested as in a YAML file) over the defaults."""
+    flat: dict[str, Any] = {}
+
+    def walk(d: dict[str, Any], prefix: str) -> None:
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict) and key != "trainer.storage_options":
+                walk(v, key + ".")
+            else:
+                flat[key] = v
+
+    walk(config, "")
+    return parse_overrides([f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+                            for k, v in flat.items()])
+
+
 def section(options: dict[str, Any], prefix: str) -> dict[str, Any]:
     return {k[len(prefix):]: v for k, v in options.items() if k.startswith(prefix)}

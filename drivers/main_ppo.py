@@ -27,7 +27,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from drivers import algos, data
 from drivers._ray import init_ray
-from drivers.config import parse_overrides, section
+from drivers.config import from_mapping, parse_overrides, section
 from raycheckpoint import (
     CheckpointConfig,
     CheckpointManager,
@@ -102,6 +102,38 @@ def fingerprint(opts: dict[str, Any], data_sha: int, rows: int) -> dict[str, Any
     return fp
 
 
+def roles_of(opts: dict[str, Any]) -> list[str]:
+    return ["actor", "reference", "reward", "rollout"] + (
+        ["critic"] if opts["algorithm.adv_estimator"] == "gae" else [])
+
+
+def job_description(config: dict[str, Any]) -> dict[str, Any]:
+    """What ``raycheckpoint diff REF job.yaml --fingerprint drivers.main_ppo:job_description``
+    compares: the fingerprint, world sizes and reshard setting this job would resume with.
+
+    ``config`` holds the job's options (dotted keys or nested); the dataset is read where
+    the job would read it, or generated into a temporary directory (never into the root).
+    """
+    import tempfile
+
+    opts = from_mapping(config)
+    root = str(opts["trainer.default_local_dir"]).rstrip("/")
+    so = opts["trainer.storage_options"]
+    storage_options = json.loads(so) if isinstance(so, str) else dict(so or {})
+    path = opts["data.train_files"] or f"{root}/data/train.jsonl"
+    fs, fpath = fsspec.core.url_to_fs(path, **storage_options)
+    with tempfile.TemporaryDirectory() as tmp:
+        if not fs.exists(fpath):
+            path = f"{tmp}/train.jsonl"
+            data.generate(path, num_prompts=opts["data.num_prompts"],
+                          num_targets=opts["data.num_targets"], seed=opts["data.seed"])
+        rows, sha = data.load(path)
+    world = opts["trainer.n_gpus_per_node"] * opts["trainer.nnodes"]
+    return {"config_fingerprint": fingerprint(opts, sha, len(rows)),
+            "world_sizes": dict.fromkeys(roles_of(opts), world),
+            "allow_reshard": bool(opts["checkpoint.allow_reshard"])}
+
+
 def split(t: torch.Tensor | list[Any], parts: int) -> list[Any]:
     """Contiguous per-rank slices of a tensor (along dim 0) or a list, as torch.chunk cuts."""
     if isinstance(t, torch.Tensor):
@@ -146,8 +178,7 @@ class Trainer:
               **{k: v for k, v in opts.items() if k.startswith("checkpoint.")}}
         self.ckpt_config = CheckpointConfig.from_dict({k: v for k, v in ck.items() if v is not None})
         self.fingerprint = fingerprint(opts, data_sha, len(self.rows))
-        roles = ["actor", "reference", "reward", "rollout"] + (
-            ["critic"] if opts["algorithm.adv_estimator"] == "gae" else [])
+        roles = roles_of(opts)
         self.resume_ref = None
         if opts["trainer.resume_mode"] != "disable":
             # refuse a mismatched resume before starting a single worker

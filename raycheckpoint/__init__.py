@@ -9,23 +9,62 @@ See DESIGN section 6 for the module map.
 
 __version__ = "0.1.0"
 
-from raycheckpoint.config import CheckpointConfig
-from raycheckpoint.errors import (
-    CheckpointNotFoundError,
-    CheckpointSaveError,
-    CommitTimeoutError,
-    ConfigMismatchError,
-    IncompatibleCheckpointError,
-    IntegrityError,
-    LightCheckpointError,
-    RayCheckpointError,
-)
-from raycheckpoint.manager import CheckpointManager, LoadResult, SaveHandle
-from raycheckpoint.resume import verify_checkpoint
-from raycheckpoint.retention import RetentionPolicy
-from raycheckpoint.state import ResumableSampler, capture_rng, restore_rng
-from raycheckpoint.storage import Storage, StorageSpec
-from raycheckpoint.worker import CheckpointableWorker
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Names are imported on first use, so tools that only read storage (the ``raycheckpoint``
+# command) start without importing Ray or torch.
+_EXPORTS = {
+    "CheckpointConfig": "raycheckpoint.config",
+    "CheckpointNotFoundError": "raycheckpoint.errors",
+    "CheckpointSaveError": "raycheckpoint.errors",
+    "CommitTimeoutError": "raycheckpoint.errors",
+    "ConfigMismatchError": "raycheckpoint.errors",
+    "IncompatibleCheckpointError": "raycheckpoint.errors",
+    "IntegrityError": "raycheckpoint.errors",
+    "LightCheckpointError": "raycheckpoint.errors",
+    "RayCheckpointError": "raycheckpoint.errors",
+    "CheckpointManager": "raycheckpoint.manager",
+    "LoadResult": "raycheckpoint.manager",
+    "SaveHandle": "raycheckpoint.manager",
+    "verify_checkpoint": "raycheckpoint.resume",
+    "RetentionPolicy": "raycheckpoint.retention",
+    "ResumableSampler": "raycheckpoint.state",
+    "capture_rng": "raycheckpoint.state",
+    "restore_rng": "raycheckpoint.state",
+    "Storage": "raycheckpoint.storage",
+    "StorageSpec": "raycheckpoint.storage",
+    "CheckpointableWorker": "raycheckpoint.worker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'raycheckpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from raycheckpoint.config import CheckpointConfig
+    from raycheckpoint.errors import (
+        CheckpointNotFoundError,
+        CheckpointSaveError,
+        CommitTimeoutError,
+        ConfigMismatchError,
+        IncompatibleCheckpointError,
+        IntegrityError,
+        LightCheckpointError,
+        RayCheckpointError,
+    )
+    from raycheckpoint.manager import CheckpointManager, LoadResult, SaveHandle
+    from raycheckpoint.resume import verify_checkpoint
+    from raycheckpoint.retention import RetentionPolicy
+    from raycheckpoint.state import ResumableSampler, capture_rng, restore_rng
+    from raycheckpoint.storage import Storage, StorageSpec
+    from raycheckpoint.worker import CheckpointableWorker
 
 __all__ = [
     "CheckpointConfig",

@@ -84,7 +84,7 @@ class _Save:
 
 
 class CheckpointCoordinator:
-    def __init__(self, storage: StorageSpec, config: CheckpointConfig) -> None:
+    def __init__(self, storage: StorageSpec, config: CheckpointConfig, *, recover: bool = True) -> None:
         self.spec = storage
         self.storage = storage.open()
         self.config = config
@@ -97,10 +97,10 @@ class CheckpointCoordinator:
         self._requests: list[dict[str, Any]] = []
         self._manifests: dict[str, Manifest] = {}
         # caches of what storage holds, loaded by _sync() and kept current by this actor
-        # (the only writer of the root), so a commit costs O(1) metadata reads
+        # (the only writer of checkpoints under the root), so a commit costs few metadata reads
         self._markers: dict[str, Marker] = {}
         self._tags: dict[str, str] = {}
-        self.recovery = self._recover()
+        self.recovery = self._recover() if recover else {}
 
     # ---- recovery and catalog ---------------------------------------------------------------
 
@@ -114,8 +114,13 @@ class CheckpointCoordinator:
     def _sorted_markers(self) -> list[Marker]:
         return sorted(self._markers.values(), key=catalog.order_key)
 
-    def _recover(self) -> dict[str, Any]:
-        """Make the caches agree with the markers; collect leftovers; apply retention."""
+    def _recover(self, *, dry_run: bool = False, leftover_grace_s: float = 0.0) -> dict[str, Any]:
+        """Make the caches agree with the markers; collect leftovers; apply retention.
+
+        ``dry_run``: report what would change, change nothing.  ``leftover_grace_s``:
+        keep uncommitted directories written to more recently than this (a save of a job
+        this coordinator does not know may still be writing them).
+        """
         with self._commit_lock:
             uncommitted = self._sync()
             markers, tags = self._sorted_markers(), dict(self._tags)
@@ -123,14 +128,17 @@ class CheckpointCoordinator:
                                       "rebuilt_catalog": False, "fixed_latest": False}
             want_latest = catalog.expected_latest(markers)
             if catalog.read_latest(self.storage) != want_latest and want_latest is not None:
-                self._write_latest(want_latest)
+                if not dry_run:
+                    self._write_latest(want_latest)
                 report["fixed_latest"] = True
             doc = catalog.catalog_doc(markers, tags)
             if catalog.read_catalog(self.storage) != doc:
-                self.storage.write_pointer(CATALOG, json_bytes(doc))
+                if not dry_run:
+                    self.storage.write_pointer(CATALOG, json_bytes(doc))
                 report["rebuilt_catalog"] = True
-            report["collected"] = self._collect_leftovers(uncommitted)
-            report["deleted"] = self._apply_retention(markers, tags)
+            report["collected"], report["kept_recent"] = self._collect_leftovers(
+                uncommitted, dry_run=dry_run, grace_s=leftover_grace_s)
+            report["deleted"] = self._apply_retention(markers, tags, dry_run=dry_run)
             return report
 
     def _write_latest(self, name: str) -> None:
@@ -141,15 +149,25 @@ class CheckpointCoordinator:
         with self._cond:
             return {s.name for s in self._saves.values() if s.status == "pending"}
 
-    def _collect_leftovers(self, uncommitted: list[str]) -> list[str]:
+    def _collect_leftovers(self, uncommitted: list[str], *, dry_run: bool = False,
+                           grace_s: float = 0.0) -> tuple[list[str], list[str]]:
+        """(collected, kept because written to within ``grace_s``) uncommitted step dirs."""
         busy = self._in_flight()
         referenced = self._referenced(self._markers)
-        collected = []
+        collected, recent = [], []
+        now = time.time()
         for name in uncommitted:
-            if name not in busy:
+            if name in busy:
+                continue
+            if grace_s > 0:
+                modified = self.storage.modified(name)
+                if modified is not None and now - modified < grace_s:
+                    recent.append(name)
+                    continue
+            if not dry_run:
                 self._delete_step(name, referenced)
-                collected.append(name)
-        return collected
+            collected.append(name)
+        return collected, recent
 
     def _referenced(self, names) -> set[str]:
         """Files under other step directories that the manifests of ``names`` list."""
@@ -181,15 +199,16 @@ class CheckpointCoordinator:
                 return None
         return self._manifests[name]
 
-    def _apply_retention(self, markers: list[Marker], tags: dict[str, str]) -> list[str]:
+    def _apply_retention(self, markers: list[Marker], tags: dict[str, str], *,
+                         dry_run: bool = False) -> list[str]:
         entries = [m.to_catalog_entry() for m in markers]
         protected = set(tags.values()) | self._in_flight()
         latest = catalog.read_latest(self.storage)
         if latest:
             protected.add(latest)
         doomed = self.policy.to_delete(entries, protected=protected)
-        if not doomed:
-            return []
+        if not doomed or dry_run:
+            return doomed
         kept = [m for m in markers if m.name not in doomed]
         for name in doomed:
             self._markers.pop(name, None)
@@ -249,6 +268,7 @@ class CheckpointCoordinator:
             existing = self._markers.get(name)
             if existing is not None and (existing.kind == "full" or kind == "light"):
                 if tag is not None:
+                    self._tags = catalog.read_tags(self.storage)
                     self._write_tag(tag, name)
                     self.storage.write_pointer(CATALOG, json_bytes(
                         catalog.catalog_doc(self._sorted_markers(), self._tags)))
@@ -337,12 +357,12 @@ class CheckpointCoordinator:
             raise save.error
         return dict(save.result or {})
 
-    def gc(self) -> dict[str, list[str]]:
-        """Collect leftovers of dead saves and apply retention now (idempotent)."""
-        with self._commit_lock:
-            uncommitted = self._sync()  # an explicit gc re-reads storage
-            return {"collected": self._collect_leftovers(uncommitted),
-                    "deleted": self._apply_retention(self._sorted_markers(), dict(self._tags))}
+    def gc(self, *, dry_run: bool = False, leftover_grace_s: float = 0.0) -> dict[str, Any]:
+        """Re-read storage, repair LATEST/catalog, collect leftovers, apply retention (idempotent).
+
+        Also what ``raycheckpoint gc`` runs, on a coordinator made with ``recover=False``.
+        """
+        return self._recover(dry_run=dry_run, leftover_grace_s=leftover_grace_s)
 
     # ---- commit --------------------------------------------------------------------------------
 
@@ -429,6 +449,7 @@ class CheckpointCoordinator:
         markers = self._sorted_markers()
         if save.kind == "full" and catalog.expected_latest(markers) == name:
             self._write_latest(name)
+        self._tags = catalog.read_tags(s)  # tags set or removed by `raycheckpoint tag/untag`
         if save.tag is not None:
             self._write_tag(save.tag, name)
         tags = dict(self._tags)
@@ -436,7 +457,7 @@ class CheckpointCoordinator:
         s.write_pointer(CATALOG, json_bytes(catalog.catalog_doc(markers, tags)))
         deleted = self._apply_retention(markers, tags)
         uncommitted = [n for n in catalog.step_dirs(s) if n not in self._markers]
-        collected = self._collect_leftovers(uncommitted)
+        collected, _ = self._collect_leftovers(uncommitted)
         committed_at = time.time()
         return {"name": name, "step": save.step, "kind": save.kind, "tag": save.tag,
                 "bytes": marker.bytes, "files": len(files), "deleted": deleted, "collected": collected,

@@ -21,7 +21,6 @@ DCP call order (all ranks unless noted): ``reset`` -> ``set_up_storage_writer`` 
 
 from __future__ import annotations
 
-import hashlib
 import io
 import pickle
 import uuid
@@ -50,6 +49,7 @@ from torch.futures import Future
 
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.format import DCP_METADATA
+from raycheckpoint.integrity import verify_bytes
 from raycheckpoint.storage import FileEntry, Storage
 
 DCP_SUFFIX = ".distcp"
@@ -125,24 +125,6 @@ class HashingStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return False
-
-
-def verify_bytes(rel: str, data: bytes | memoryview, expected: FileEntry | None,
-                 *, check_sha: bool) -> None:
-    """Raise IntegrityError unless ``data`` is the file the manifest lists as ``rel``."""
-    if expected is None:
-        raise IntegrityError(f"{rel}: not listed in the checkpoint's manifest; refusing to read it",
-                             path=rel)
-    if len(data) != expected.size:
-        raise IntegrityError(
-            f"{rel}: size {len(data)} bytes, manifest says {expected.size} (truncated or "
-            "overwritten file)", path=rel)
-    if check_sha:
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != expected.sha256:
-            raise IntegrityError(
-                f"{rel}: sha256 {digest[:16]}... does not match the manifest's "
-                f"{expected.sha256[:16]}... (corrupted file)", path=rel)
 
 
 class VerifyingStorageReader(StorageReader):

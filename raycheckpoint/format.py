@@ -5,6 +5,8 @@ Layout of one job root (DESIGN section 3)::
     LATEST  latest  catalog.json  tags/<tag>
     step_00001000/ COMMITTED version.json manifest.msgpack trainer_state.json
                    rng/<role>/rank_<r>.msgpack  <role>/  (DCP directory per role)
+                   assets/<role>/<file>  (e.g. a Hugging Face config.json and tokenizer
+                                          files, written by rank 0 for export)
 
 Invariants:
 
@@ -42,6 +44,7 @@ VERSION = "version.json"
 MANIFEST = "manifest.msgpack"
 TRAINER_STATE = "trainer_state.json"
 RNG_DIR = "rng"
+ASSETS_DIR = "assets"
 DCP_METADATA = ".metadata"
 
 KINDS = ("full", "light")
@@ -71,6 +74,12 @@ def validate_tag(tag: str) -> str:
 
 def rng_file(role: str, rank: int) -> str:
     return f"{RNG_DIR}/{role}/rank_{rank:05d}.msgpack"
+
+
+def asset_file(role: str, name: str) -> str:
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"asset names are plain file names, got {name!r}")
+    return f"{ASSETS_DIR}/{role}/{name}"
 
 
 def json_bytes(obj: Any) -> bytes:

@@ -18,6 +18,7 @@ grouped by role (rank = position in the list).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -47,6 +48,7 @@ from raycheckpoint.resume import (
     resolve,
     resume_differences,
 )
+from raycheckpoint.retention import RetentionPolicy
 from raycheckpoint.state import capture_rng, restore_rng
 from raycheckpoint.storage import Storage, StorageSpec
 
@@ -276,7 +278,9 @@ class CheckpointManager:
         t0 = time.perf_counter()
         trainer_state: dict[str, Any] = {
             "epoch": self.epoch, "config_fingerprint": self.fingerprint,
-            "world_sizes": self.world_sizes, "saved_at": time.time()}
+            "world_sizes": self.world_sizes, "saved_at": time.time(),
+            # the job's retention rules, so `raycheckpoint gc` can apply them without the job
+            "retention": dataclasses.asdict(RetentionPolicy.from_config(self.config))}
         if kind == "full":
             trainer_state["rng"] = capture_rng()
             if self.dataloader is not None:

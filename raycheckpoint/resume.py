@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from raycheckpoint import catalog
-from raycheckpoint.dcp_io import verify_bytes
 from raycheckpoint.errors import (
     CheckpointNotFoundError,
     IncompatibleCheckpointError,
@@ -41,6 +40,7 @@ from raycheckpoint.format import (
     Marker,
     parse_step_dir,
 )
+from raycheckpoint.integrity import verify_bytes, verify_file
 from raycheckpoint.storage import Storage
 
 # breaking change name -> function(VerifiedCheckpoint) -> None converting in memory
@@ -201,11 +201,16 @@ def open_verified(storage: Storage, name: str) -> VerifiedCheckpoint:
     return ck
 
 
-def verify_checkpoint(storage: Storage, name: str) -> dict[str, Any]:
-    """Full verification (every byte hashed): what ``raycheckpoint verify`` runs."""
+def verify_checkpoint(storage: Storage, name: str,
+                      progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Full verification of a committed checkpoint: every listed byte hashed, streamed.
+
+    What ``raycheckpoint verify`` runs.  ``progress(n)`` is called per chunk read.  Raises
+    IntegrityError (naming the file) or IncompatibleCheckpointError; returns a summary.
+    """
     ck = open_verified(storage, name)
     for path in sorted(ck.manifest.files):
-        _read_listed(storage, ck.manifest, path)
+        verify_file(storage, path, ck.manifest.files[path], progress)
     return {"name": name, "step": ck.step, "kind": ck.kind, "files": len(ck.manifest.files),
             "bytes": ck.manifest.total_bytes}
 

@@ -8,7 +8,8 @@
    **This copy is the only time training is blocked.**
 2. A background thread runs ``torch.distributed.checkpoint.save`` of the staged copy
    through :class:`~raycheckpoint.dcp_io.HashingStorageWriter` on the checkpoint process
-   group, writes the rank's extra state (RNG, scheduler) as msgpack, and reports the
+   group, writes the rank's extra state (RNG, scheduler) as msgpack and the role's
+   assets (rank 0: files such as a Hugging Face ``config.json``), and reports the
    written files to the coordinator.
 3. On failure the thread keeps the exception (``PendingPersist.error``), reports it to
    the coordinator so the save aborts, and ``PendingPersist.wait()`` re-raises it.
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from raycheckpoint._internal import faults
 from raycheckpoint.dcp_io import HashingStorageWriter
-from raycheckpoint.format import pack, rng_file
+from raycheckpoint.format import asset_file, pack, rng_file
 from raycheckpoint.storage import FileEntry, StorageSpec
 
 
@@ -195,7 +196,8 @@ class ShardSaver:
 
     def snapshot(self, *, save_id: str, step_dir: str, kind: str, state: dict[str, Any],
                  extra: dict[str, Any] | None, coordinator: Any,
-                 wait_timeout_s: float = 1800.0) -> dict[str, Any]:
+                 wait_timeout_s: float = 1800.0,
+                 assets: dict[str, bytes] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         self.wait_previous(wait_timeout_s)
         staged = self._stage(kind, state)
@@ -204,12 +206,12 @@ class ShardSaver:
         self.pending = pending
         thread = threading.Thread(
             target=self._persist, name=f"raycheckpoint-persist-{self.role}-{self.rank}",
-            args=(pending, step_dir, staged, extra, coordinator), daemon=True)
+            args=(pending, step_dir, staged, extra, coordinator, dict(assets or {})), daemon=True)
         thread.start()
         return {"stall_s": stall_s, "bytes": tensor_bytes(staged)}
 
     def _persist(self, pending: PendingPersist, step_dir: str, staged: dict[str, Any],
-                 extra: dict[str, Any] | None, coordinator: Any) -> None:
+                 extra: dict[str, Any] | None, coordinator: Any, assets: dict[str, bytes]) -> None:
         t0 = time.perf_counter()
         try:
             faults.check("worker.persist", path=f"{self.role}/{self.rank}")
@@ -221,6 +223,9 @@ class ShardSaver:
             if extra is not None:
                 files.append(self.storage.write_bytes(
                     f"{step_dir}/{rng_file(self.role, self.rank)}", pack(extra)))
+            for asset, data in sorted(assets.items()):
+                files.append(self.storage.write_bytes(
+                    f"{step_dir}/{asset_file(self.role, asset)}", data))
             faults.check("worker.before_report", path=f"{self.role}/{self.rank}")
             pending.files = files
             pending.persist_s = time.perf_counter() - t0

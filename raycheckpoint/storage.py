@@ -133,14 +133,15 @@ class HashingWriter:
 class Storage:
     """Byte-level access to one checkpoint root over fsspec."""
 
-    def __init__(self, uri: str, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, uri: str, options: dict[str, Any] | None = None, *,
+                 create: bool = True) -> None:
         self.uri = uri
         self.options = dict(options or {})
         self.fs, root = fsspec.core.url_to_fs(uri, **self.options)
         self.is_posix = isinstance(self.fs, LocalFileSystem)
         self.root = root.rstrip("/") if root != "/" else root
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        if self.is_posix:
+        if self.is_posix and create:
             os.makedirs(self.root, exist_ok=True)
 
     @property
@@ -274,6 +275,24 @@ class Storage:
             p = path if path.startswith("/") or not self.root.startswith("/") else "/" + path
             out[p[len(prefix):] if p.startswith(prefix) else path] = int(info.get("size") or 0)
         return out
+
+    def modified(self, rel: str = "") -> float | None:
+        """Newest modification time (epoch seconds) of any file below ``rel``; None if empty."""
+        full = self.full_path(rel)
+        if not self.is_posix:
+            self.fs.invalidate_cache(full)
+        try:
+            found = self.fs.find(full, detail=True)
+        except FileNotFoundError:
+            return None
+        newest = None
+        for info in found.values():
+            t = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
+            if hasattr(t, "timestamp"):
+                t = t.timestamp()
+            if isinstance(t, (int, float)):
+                newest = t if newest is None else max(newest, float(t))
+        return newest
 
     # ---- deletes ------------------------------------------------------------------------
 

@@ -7,7 +7,11 @@ implements four hooks:
   ``full``, ``{"model": ...}`` for ``light``); DTensors from FSDP2 are fine;
 * ``ckpt_load_state_dict(state, kind)``: apply a loaded state (same structure);
 * ``ckpt_extra_state()`` / ``ckpt_load_extra_state(extra)``: small msgpack-safe state
-  (LR scheduler, counters) saved per rank next to the rank's RNG.
+  (LR scheduler, counters) saved per rank next to the rank's RNG;
+* ``ckpt_assets()`` (optional): files describing the model, ``{file name: bytes}``,
+  written by rank 0 into ``assets/<role>/`` of every checkpoint.  A Hugging Face
+  ``config.json`` (plus tokenizer files) there lets ``raycheckpoint export --format hf``
+  rebuild a ``from_pretrained`` directory from the ``"model"`` part of the state.
 
 The driver-side :class:`~raycheckpoint.manager.CheckpointManager` calls the
 ``ckpt_*`` remote methods below; a worker never decides what is committed.
@@ -25,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from raycheckpoint.dcp_io import VerifyingStorageReader, load_verified, verify_bytes
+from raycheckpoint.dcp_io import VerifyingStorageReader, load_verified
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.format import DCP_METADATA, unpack
+from raycheckpoint.integrity import verify_bytes
 from raycheckpoint.snapshot import ShardSaver
 from raycheckpoint.state import capture_rng, restore_rng
 from raycheckpoint.storage import FileEntry, StorageSpec
@@ -55,6 +60,9 @@ class CheckpointableWorker:
 
     def ckpt_load_extra_state(self, extra: dict[str, Any]) -> None:
         return None
+
+    def ckpt_assets(self) -> dict[str, bytes]:
+        return {}
 
     # ---- remote methods -----------------------------------------------------------------
 
@@ -92,8 +100,10 @@ class CheckpointableWorker:
         extra = None
         if kind == "full":
             extra = {"rng": capture_rng(), "state": self.ckpt_extra_state()}
+        assets = self.ckpt_assets() if self.ckpt_rank == 0 else None
         return saver.snapshot(save_id=save_id, step_dir=step_dir, kind=kind, state=state,
-                              extra=extra, coordinator=coordinator, wait_timeout_s=wait_timeout_s)
+                              extra=extra, coordinator=coordinator, wait_timeout_s=wait_timeout_s,
+                              assets=assets)
 
     def ckpt_wait(self, timeout: float = 1800.0) -> list[dict[str, Any]]:
         """Wait for this worker's last persist; re-raise its error if it failed."""

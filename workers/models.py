@@ -72,6 +72,22 @@ def build_causal_lm(model: dict[str, Any], seed: int) -> nn.Module:
     return AutoModelForCausalLM.from_config(build_config(model), attn_implementation="eager")
 
 
+def hf_assets(model: nn.Module) -> dict[str, bytes]:
+    """``{file name: bytes}`` of a causal LM's config, generation config and tokenizer."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        build_tokenizer().save_pretrained(tmp)
+        out = {}
+        for name in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, name), "rb") as f:
+                out[name] = f.read()
+        return out
+
+
 class ValueModel(nn.Module):
     """Backbone of the causal LM plus a scalar head: one value per token."""
 

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 from raycheckpoint.worker import CheckpointableWorker
 from workers.group import init_process_group
-from workers.models import ValueModel, build_causal_lm, decoder_layers, state_sha256
+from workers.models import ValueModel, build_causal_lm, decoder_layers, hf_assets, state_sha256
 
 
 class ShardedModelWorker(CheckpointableWorker):
@@ -102,6 +102,12 @@ class ShardedModelWorker(CheckpointableWorker):
         if not self.trainable:
             return {}
         return {"scheduler": self.sched.state_dict(), "steps": self.steps}
+
+    def ckpt_assets(self) -> dict[str, bytes]:
+        """The Hugging Face config and tokenizer files of a causal LM (none for value models)."""
+        if getattr(self, "_assets", None) is None:
+            self._assets = hf_assets(self.net) if hasattr(self.net, "generation_config") else {}
+        return self._assets
 
     def ckpt_load_extra_state(self, extra: dict[str, Any]) -> None:
         if self.trainable and extra:

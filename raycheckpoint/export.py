@@ -1,0 +1,270 @@
+"""Reading one role's tensors out of a checkpoint without Ray or a process group.
+
+Used by ``raycheckpoint inspect`` and ``raycheckpoint export``.  A role's DCP directory
+holds one file per saving rank; a tensor's pieces (its chunks, one per rank that held a
+shard) are found through DCP's ``.metadata`` and read by byte range, so assembling a
+full tensor needs memory for that tensor only.  Every file of the role is verified
+(size and sha256, streamed) before anything is read from it; ``.metadata`` (a pickle)
+is unpickled only once its checksum matches.
+
+Export formats:
+
+* ``hf``: a Hugging Face directory: the role's assets (``config.json``, tokenizer
+  files, written by the worker's ``ckpt_assets()``) and ``model.safetensors`` written
+  tensor by tensor (the header is computed from the metadata first);
+* ``state_dict``: one file of the model's tensors: ``.safetensors`` (streamed) or a
+  ``torch.save`` file (assembled in memory) for any other suffix.
+
+Tensor names are those of the worker's ``"model"`` state dict (the convention of
+:class:`~raycheckpoint.worker.CheckpointableWorker`), i.e. the FQNs DCP saved with the
+leading ``model.`` removed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from raycheckpoint.errors import CheckpointNotFoundError, IntegrityError
+from raycheckpoint.format import ASSETS_DIR, DCP_METADATA
+from raycheckpoint.integrity import verify_bytes, verify_file
+from raycheckpoint.resume import VerifiedCheckpoint
+from raycheckpoint.storage import Storage
+
+MODEL_PREFIX = "model."
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str  # DCP FQN, e.g. "model.model.layers.0.mlp.up_proj.weight"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: int
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+class RoleReader:
+    """The tensors of one role of a verified checkpoint, read by byte range."""
+
+    def __init__(self, ck: VerifiedCheckpoint, role: str) -> None:
+        layout = ck.manifest.roles.get(role)
+        if layout is None:
+            raise CheckpointNotFoundError(
+                f"{ck.name} has no role {role!r}; it holds {sorted(ck.manifest.roles)}", ref=role)
+        self.ck, self.role, self.layout = ck, role, layout
+        self.storage: Storage = ck.storage
+        self.dcp_dir = layout.dcp_dir
+        prefix = self.dcp_dir + "/"
+        self.files = {p: e for p, e in ck.manifest.files.items() if p.startswith(prefix)}
+        self._metadata: Metadata | None = None
+
+    @property
+    def has_tensors(self) -> bool:
+        return f"{self.dcp_dir}/{DCP_METADATA}" in self.files
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.size for e in self.files.values())
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> None:
+        """Stream-hash every file of the role against the manifest."""
+        for path in sorted(self.files):
+            verify_file(self.storage, path, self.files[path], progress)
+
+    def metadata(self) -> Metadata:
+        if self._metadata is None:
+            rel = f"{self.dcp_dir}/{DCP_METADATA}"
+            if rel not in self.files:
+                raise IntegrityError(f"{self.ck.name}: role {self.role!r} saved no tensors", path=rel)
+            try:
+                data = self.storage.read_bytes(rel)
+            except FileNotFoundError as e:
+                raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
+            verify_bytes(rel, data, self.files[rel], check_sha=True)
+            self._metadata = pickle.loads(data)  # noqa: S301 - sha256 verified against the manifest
+        return self._metadata
+
+    def tensors(self) -> list[TensorInfo]:
+        out = []
+        for fqn, md in sorted(self.metadata().state_dict_metadata.items()):
+            if isinstance(md, TensorStorageMetadata):
+                out.append(TensorInfo(fqn, tuple(md.size), md.properties.dtype, len(md.chunks)))
+        return out
+
+    def other_items(self) -> list[str]:
+        return sorted(fqn for fqn, md in self.metadata().state_dict_metadata.items()
+                      if isinstance(md, BytesStorageMetadata))
+
+    def model_tensors(self) -> list[TensorInfo]:
+        found = [t for t in self.tensors() if t.name.startswith(MODEL_PREFIX)]
+        if not found:
+            raise IntegrityError(f"{self.ck.name}: role {self.role!r} has no 'model' tensors to "
+                                 "export", path=self.dcp_dir)
+        return found
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        """The full tensor, assembled from its chunks."""
+        metadata = self.metadata()
+        md = metadata.state_dict_metadata[info.name]
+        full = torch.empty(info.shape, dtype=info.dtype)
+        for chunk in md.chunks:
+            where = metadata.storage_data[MetadataIndex(info.name, chunk.offsets)]
+            rel = f"{self.dcp_dir}/{where.relative_path}"
+            if rel not in self.files:
+                raise IntegrityError(f"{rel}: referenced by {DCP_METADATA} but not in the manifest",
+                                     path=rel)
+            if getattr(where, "transform_descriptors", None):
+                raise IntegrityError(f"{rel}: uses DCP stream transforms, which this reader does "
+                                     "not support", path=rel)
+            data = self.storage.read_bytes(rel, where.offset, where.offset + where.length)
+            piece = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            view = full
+            for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+                view = view.narrow(dim, start, length)
+            if tuple(piece.shape) != tuple(view.shape):
+                raise IntegrityError(f"{rel}: chunk of {info.name} has shape {tuple(piece.shape)}, "
+                                     f"metadata says {tuple(view.shape)}", path=rel)
+            view.copy_(piece)
+        return full
+
+    def iter_model(self, progress: Callable[[int], None] | None = None
+                   ) -> Iterator[tuple[str, TensorInfo, torch.Tensor]]:
+        for info in self.model_tensors():
+            tensor = self.read(info)
+            if progress is not None:
+                progress(info.nbytes)
+            yield info.name[len(MODEL_PREFIX):], info, tensor
+
+    def assets(self) -> dict[str, str]:
+        """``{file name: path relative to the root}`` of the role's assets."""
+        prefix = f"{self.ck.name}/{ASSETS_DIR}/{self.role}/"
+        return {p[len(prefix):]: p for p in self.ck.manifest.files if p.startswith(prefix)}
+
+
+def write_safetensors(path: str, reader: RoleReader,
+                      progress: Callable[[int], None] | None = None) -> int:
+    """Stream the role's model tensors into a safetensors file; returns the tensors written."""
+    infos = reader.model_tensors()
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for info in infos:
+        if info.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{info.name}: dtype {info.dtype} has no safetensors equivalent")
+        header[info.name[len(MODEL_PREFIX):]] = {
+            "dtype": _SAFETENSORS_DTYPES[info.dtype], "shape": list(info.shape),
+            "data_offsets": [offset, offset + info.nbytes]}
+        offset += info.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for _, _info, tensor in reader.iter_model(progress):
+            data = tensor.contiguous().view(torch.uint8).numpy() if tensor.numel() else b""
+            f.write(memoryview(data))
+            del tensor
+        f.flush()
+        os.fsync(f.fileno())
+    return len(infos)
+
+
+def _publish_dir(tmp: str, out: str, force: bool) -> None:
+    if os.path.exists(out):
+        if not force:
+            raise FileExistsError(f"{out} exists; pass --force to replace it")
+        shutil.rmtree(out) if os.path.isdir(out) else os.unlink(out)
+    os.replace(tmp, out)
+
+
+def export(ck: VerifiedCheckpoint, out: str, *, fmt: str, role: str = "actor", force: bool = False,
+           progress: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None
+           ) -> dict[str, Any]:
+    """Export ``role`` of ``ck`` to the local path ``out`` as ``hf`` or ``state_dict``.
+
+    ``on_total(bytes)`` is told the bytes the progress will count (verification + tensors).
+    The output appears complete or not at all (written beside it, then renamed).
+    """
+    if fmt not in ("hf", "state_dict"):
+        raise ValueError(f"--format must be 'hf' or 'state_dict', got {fmt!r}")
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    reader = RoleReader(ck, role)
+    assets = reader.assets()
+    if fmt == "hf" and "config.json" not in assets:
+        raise IntegrityError(
+            f"{ck.name}: role {role!r} has no Hugging Face config.json among its assets (its "
+            "worker's ckpt_assets() returned none); export it with --format state_dict",
+            path=f"{ck.name}/{ASSETS_DIR}/{role}")
+    model_bytes = sum(t.nbytes for t in reader.model_tensors()) if reader.has_tensors else 0
+    asset_bytes = sum(ck.manifest.files[p].size for p in assets.values())
+    if on_total is not None:
+        on_total(reader.bytes + asset_bytes + model_bytes)
+    reader.verify(progress)
+    parent = os.path.dirname(out) or "."
+    os.makedirs(parent, exist_ok=True)
+    if fmt == "hf":
+        tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+        try:
+            for name, rel in sorted(assets.items()):
+                data = ck.storage.read_bytes(rel)
+                verify_bytes(rel, data, ck.manifest.files[rel], check_sha=True)
+                if progress is not None:
+                    progress(len(data))
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(data)
+            count = write_safetensors(os.path.join(tmp, "model.safetensors"), reader, progress)
+            _publish_dir(tmp, out, force)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        files = sorted(os.listdir(out))
+    else:
+        fd, tmp = tempfile.mkstemp(prefix=".export-", dir=parent)
+        os.close(fd)
+        try:
+            if out.endswith(".safetensors"):
+                count = write_safetensors(tmp, reader, progress)
+            else:
+                state = {name: tensor for name, _, tensor in reader.iter_model(progress)}
+                with open(tmp, "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                count = len(state)
+            _publish_dir(tmp, out, force)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        files = [os.path.basename(out)]
+    return {"checkpoint": ck.name, "step": ck.step, "role": role, "format": fmt, "out": out,
+            "tensors": count, "bytes": model_bytes, "files": files}

@@ -1,0 +1,61 @@
+"""Checking bytes against the manifest: in memory, or streamed in bounded chunks.
+
+Kept free of torch and Ray so the ``raycheckpoint`` command can verify a checkpoint on
+any machine.  Both functions raise :class:`~raycheckpoint.errors.IntegrityError` naming
+the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+from raycheckpoint.errors import IntegrityError
+from raycheckpoint.storage import FileEntry, Storage
+
+CHUNK_BYTES = 8 << 20
+
+
+def verify_bytes(rel: str, data: bytes | memoryview, expected: FileEntry | None,
+                 *, check_sha: bool) -> None:
+    """Raise IntegrityError unless ``data`` is the file the manifest lists as ``rel``."""
+    if expected is None:
+        raise IntegrityError(f"{rel}: not listed in the checkpoint's manifest; refusing to read it",
+                             path=rel)
+    if len(data) != expected.size:
+        raise IntegrityError(
+            f"{rel}: size {len(data)} bytes, manifest says {expected.size} (truncated or "
+            "overwritten file)", path=rel)
+    if check_sha:
+        _check_digest(rel, hashlib.sha256(data).hexdigest(), expected)
+
+
+def _check_digest(rel: str, digest: str, expected: FileEntry) -> None:
+    if digest != expected.sha256:
+        raise IntegrityError(
+            f"{rel}: sha256 {digest[:16]}... does not match the manifest's "
+            f"{expected.sha256[:16]}... (corrupted file)", path=rel)
+
+
+def verify_file(storage: Storage, rel: str, expected: FileEntry | None,
+                progress: Callable[[int], None] | None = None) -> None:
+    """Hash ``rel`` in :data:`CHUNK_BYTES` reads (memory stays bounded); check size and sha256.
+
+    ``progress(n)`` is called with the bytes of each chunk read.
+    """
+    if expected is None:
+        raise IntegrityError(f"{rel}: not listed in the checkpoint's manifest", path=rel)
+    h, size = hashlib.sha256(), 0
+    try:
+        with storage.open_read(rel) as f:
+            while chunk := f.read(CHUNK_BYTES):
+                h.update(chunk)
+                size += len(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+    except FileNotFoundError as e:
+        raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
+    if size != expected.size:
+        raise IntegrityError(f"{rel}: size {size} bytes, manifest says {expected.size} (truncated "
+                             "or overwritten file)", path=rel)
+    _check_digest(rel, h.hexdigest(), expected)
