@@ -191,6 +191,7 @@ class Trainer:
         metrics = opts["trainer.metrics_file"] or f"{self.root}/metrics.jsonl"
         self.metrics_file = metrics
         self.events: list[str] = []
+        self.finished_saves: list[dict[str, Any]] = []  # checkpoint_stats entries not yet logged
         self._seen_stats = 0
 
     def start(self) -> None:
@@ -272,6 +273,8 @@ class Trainer:
         for s in stats[self._seen_stats:]:
             self.events.append(f"committed {s['name']}" if s["ok"]
                                else f"failed {s['name']}: {s.get('error')}")
+            self.events += [f"warning {s['name']}: {a}" for a in s.get("anomalies", [])]
+            self.finished_saves.append(s)
         self._seen_stats = len(stats)
 
     def write_metrics(self, record: dict[str, Any]) -> None:
@@ -324,8 +327,9 @@ class Trainer:
             sha = ray.get([w.weights_sha256.remote() for w in self.groups["actor"]], timeout=RPC)[0]
             record = {"step": step, "epoch": self.sampler.epoch, **{k: round(v, 6) for k, v in out.items()},
                       "ckpt_events": self.events, "step_time_s": round(time.perf_counter() - t0, 4),
-                      "ckpt_blocked_s": round(blocked, 4), "actor_weights_sha256": sha}
-            self.events = []
+                      "ckpt_blocked_s": round(blocked, 4), "actor_weights_sha256": sha,
+                      "checkpoint_stats": self.finished_saves}
+            self.events, self.finished_saves = [], []
             self.write_metrics(record)
             if preempt.requested:
                 self.manager.wait_for_saves(RPC)

@@ -62,6 +62,12 @@ class CheckpointConfig:
     resume_from: str | None = None
     allow_reshard: bool = True  # False: a changed world size is a config mismatch
 
+    # monitoring (see metrics.py): Ray metrics, and warnings on abnormal growth
+    publish_metrics: bool = True
+    anomaly_window: int = 10
+    stall_warn_factor: float = 3.0
+    size_warn_factor: float = 1.5
+
     # timeouts (seconds)
     commit_timeout_s: float = 600.0
     save_wait_timeout_s: float = 1800.0
@@ -86,7 +92,10 @@ class CheckpointConfig:
             raise ValueError(
                 "encryption_key must be a reference such as 'env:NAME' or 'file:PATH'; "
                 "a literal secret in a config is refused")
-        for name in ("commit_timeout_s", "save_wait_timeout_s", "rpc_timeout_s"):
+        if self.anomaly_window < 1:
+            raise ValueError(f"anomaly_window must be >= 1, got {self.anomaly_window!r}")
+        for name in ("commit_timeout_s", "save_wait_timeout_s", "rpc_timeout_s",
+                     "stall_warn_factor", "size_warn_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 

@@ -40,6 +40,7 @@ from raycheckpoint.errors import (
     RayCheckpointError,
 )
 from raycheckpoint.format import rng_file
+from raycheckpoint.metrics import CheckpointMetrics
 from raycheckpoint.resume import (
     VerifiedCheckpoint,
     format_differences,
@@ -177,6 +178,9 @@ class CheckpointManager:
         self.epoch = 0
         self.metrics: dict[str, Any] = {}
         self._stats: list[dict[str, Any]] = []
+        self._metrics = CheckpointMetrics(
+            config.job_name, window=config.anomaly_window, stall_warn_factor=config.stall_warn_factor,
+            size_warn_factor=config.size_warn_factor, publish=config.publish_metrics)
         self._handles: list[SaveHandle] = []
         self._coordinator = _start_coordinator(self.spec, config)
         rpc = config.rpc_timeout_s
@@ -242,6 +246,7 @@ class CheckpointManager:
                          throughput_mb_s=(result.get("bytes", 0) / total / 1e6) if total else None)
         else:
             entry["error"] = f"{type(error).__name__}: {error}"
+        entry["anomalies"] = self._metrics.record(entry)
         self._stats.append(entry)
 
     def _poll(self) -> None:
@@ -261,7 +266,10 @@ class CheckpointManager:
 
     @property
     def checkpoint_stats(self) -> list[dict[str, Any]]:
-        """Per finished save: bytes, stall_s, persist_s, total_s, throughput_mb_s, ok."""
+        """Per finished save: bytes, stall_s, persist_s, total_s, throughput_mb_s, ok, anomalies.
+
+        The same figures are published as Ray metrics (see :mod:`raycheckpoint.metrics`).
+        """
         self._poll()
         return list(self._stats)
 

@@ -43,17 +43,28 @@ def s3_root(s3_server):
     return f"s3://ckpt/{uuid.uuid4().hex[:10]}", s3_server["options"]
 
 
+METRICS_PORT: list[int] = []
+
+
 @pytest.fixture(scope="session")
 def ray_session(s3_server):
     import ray
 
+    from workers.group import free_port
+
     temp = tempfile.mkdtemp(prefix="rcray-", dir="/tmp")  # short: Ray's sockets live here
+    METRICS_PORT.append(free_port())  # Ray's Prometheus endpoint, on 127.0.0.1
     ray.init(address="local", _temp_dir=temp, include_dashboard=False,
              object_store_memory=256 * 1024 * 1024, num_cpus=8, log_to_driver=False,
-             configure_logging=False)
+             configure_logging=False, _metrics_export_port=METRICS_PORT[0])
     yield ray
     ray.shutdown()
     shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def metrics_url(ray_session):
+    return f"http://127.0.0.1:{METRICS_PORT[0]}/metrics"
 
 
 def _group(ray_session, world_size: int, **kwargs):
