@@ -43,6 +43,10 @@ DEFAULTS: dict[str, Any] = {
     "trainer.seed": 0,
     "trainer.n_gpus_per_node": 2,
     "trainer.nnodes": 1,
+    "trainer.worker_resources": None,           # JSON dict: custom resources per worker actor;
+                                                # set, each role gets a placement group
+    "trainer.cpus_per_worker": 0,
+    "trainer.placement_strategy": "PACK",       # PACK | SPREAD | STRICT_SPREAD (ranks on distinct nodes)
     "trainer.metrics_file": None,               # default: <default_local_dir>/metrics.jsonl
     "trainer.storage_options": None,            # JSON dict of fsspec options (e.g. endpoint_url)
     "trainer.crash_at_step": None,              # testing aid: SIGKILL the driver after this step

@@ -147,6 +147,21 @@ def test_export_hf_loads_in_transformers_and_generates(root, job_root, tmp_path,
     assert code == 2 and "config.json" in err and "state_dict" in err
 
 
+def test_export_needs_one_cpu_and_no_ray(root, tmp_path):
+    """The export path never imports Ray and runs pinned to a single core."""
+    out = str(tmp_path / "hf")
+    code = ("import sys; from raycheckpoint import cli; "
+            f"rc = cli.main(['export', {root!r}, {out!r}, '--json']); "
+            "assert 'ray' not in sys.modules, 'ray was imported'; sys.exit(rc)")
+    cmd = [sys.executable, "-c", code]
+    if shutil.which("taskset"):
+        cmd = ["taskset", "-c", "0", *cmd]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["tensors"] > 0 and os.path.exists(f"{out}/model.safetensors")
+
+
 def test_verify_names_the_corrupted_file(root, capsys):
     shard = f"{root}/step_00000004/actor/__1_0.distcp"
     with open(shard, "r+b") as f:

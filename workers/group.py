@@ -26,7 +26,8 @@ def init_process_group(*, rank: int, world_size: int, master_addr: str, master_p
                        timeout_s: float) -> None:
     """Join this actor's gloo group (one thread per rank: 2 cores are shared by many ranks)."""
     torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if master_addr.startswith("127.") or master_addr == "localhost":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
 

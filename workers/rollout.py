@@ -156,7 +156,8 @@ class RolloutWorker(CheckpointableWorker):
         self.engine = ENGINES[engine](dict(model or {}), seed, rank, temperature, max_new_tokens)
 
     def ready(self) -> dict[str, Any]:
-        return {"role": self.role, "rank": self.rank, "engine": self.engine_name}
+        return {"role": self.role, "rank": self.rank, "engine": self.engine_name,
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.engine.set_weights(weights)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ray
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -64,7 +65,8 @@ class ShardedModelWorker(CheckpointableWorker):
         return net, decoder_layers(net)
 
     def ready(self) -> dict[str, Any]:
-        return {"role": self.role, "rank": self.rank, "trainable": self.trainable}
+        return {"role": self.role, "rank": self.rank, "trainable": self.trainable,
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def _optimizer_step(self, loss: torch.Tensor) -> None:
         self.optim.zero_grad(set_to_none=True)

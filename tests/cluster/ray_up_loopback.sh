@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# `ray up` / job / `ray down` / `ray up` / resumed job / `ray down`, over real ssh to 127.0.0.1.
+#
+# Run by tests/test_cluster.py inside fresh net+pid+mount namespaces: only loopback
+# exists, every process (sshd, the Ray head `ray up` starts, `ray stop` from `ray down`)
+# sees only this namespace; root's home (in a private copy of /etc/passwd) and /tmp/ray
+# are directories under WORK.
+# Usage: ray_up_loopback.sh WORK CONFIG   (CONFIG: the cluster yaml to bring up)
+set -euo pipefail
+WORK=$1; CONFIG=$2
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+VENV_BIN=$(dirname "$(command -v python)")
+ip link set lo up
+export HOME="$WORK/home"
+mkdir -p "$HOME/.ssh" "$WORK/tmp-ray" "$WORK/ssh" /tmp/ray /run/sshd
+sed "s#^root:\([^:]*\):0:0:\([^:]*\):[^:]*:#root:\1:0:0:\2:$HOME:#" /etc/passwd > "$WORK/passwd"
+mount --bind "$WORK/passwd" /etc/passwd
+mount --bind "$WORK/tmp-ray" /tmp/ray
+ssh-keygen -q -t ed25519 -N '' -f "$WORK/ssh/host_key"
+ssh-keygen -q -t ed25519 -N '' -f "$HOME/.ssh/id_ed25519"
+cp "$HOME/.ssh/id_ed25519.pub" "$HOME/.ssh/authorized_keys"
+chmod 700 "$HOME/.ssh"; chmod 600 "$HOME/.ssh/authorized_keys"
+# a non-interactive ssh shell must find `ray` and this project's Python
+echo "export PATH=\"$VENV_BIN:\$PATH\"" > "$HOME/.bashrc"
+cat > "$WORK/ssh/sshd_config" <<CFG
+ListenAddress 127.0.0.1
+Port 22
+HostKey $WORK/ssh/host_key
+PidFile $WORK/ssh/sshd.pid
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+AuthorizedKeysFile $HOME/.ssh/authorized_keys
+CFG
+/usr/sbin/sshd -f "$WORK/ssh/sshd_config" -E "$WORK/ssh/sshd.log"
+for _ in $(seq 50); do ssh -q -o BatchMode=yes -o StrictHostKeyChecking=no \
+  -o UserKnownHostsFile=/dev/null -i "$HOME/.ssh/id_ed25519" root@127.0.0.1 true && break; sleep 0.2; done
+
+CKPT="$WORK/checkpoints"
+JOB=(python -m drivers.main_ppo "trainer.default_local_dir=$CKPT" trainer.save_freq=2
+     trainer.n_gpus_per_node=1 data.train_batch_size=4 actor_rollout_ref.rollout.n=2)
+cd "$REPO"
+echo "== ray up (1)"; date +%s.%N
+ray up -y --no-config-cache "$CONFIG" > "$WORK/up1.log" 2>&1 || { tail -50 "$WORK/up1.log"; exit 1; }
+date +%s.%N
+echo "== job: 4 steps"
+ray job submit --address http://127.0.0.1:8265 --working-dir . -- "${JOB[@]}" \
+  trainer.total_training_steps=4 > "$WORK/job1.log" 2>&1 || { tail -60 "$WORK/job1.log"; exit 1; }
+grep -E "^checkpoint step_" "$WORK/job1.log" || true
+echo "== ray down (1)"
+ray down -y "$CONFIG" > "$WORK/down1.log" 2>&1 || { tail -30 "$WORK/down1.log"; exit 1; }
+if ray status --address 127.0.0.1:6379 > /dev/null 2>&1; then echo "cluster still up after ray down"; exit 1; fi
+raycheckpoint ls "$CKPT" --json > "$WORK/ls1.json"
+echo "== ray up (2)"
+ray up -y --no-config-cache "$CONFIG" > "$WORK/up2.log" 2>&1 || { tail -50 "$WORK/up2.log"; exit 1; }
+echo "== job: resume, 6 steps"
+ray job submit --address http://127.0.0.1:8265 --working-dir . -- "${JOB[@]}" \
+  trainer.total_training_steps=6 > "$WORK/job2.log" 2>&1 || { tail -60 "$WORK/job2.log"; exit 1; }
+grep -E "^resumed from|^checkpoint step_" "$WORK/job2.log" || true
+echo "== ray down (2)"
+ray down -y "$CONFIG" > "$WORK/down2.log" 2>&1 || { tail -30 "$WORK/down2.log"; exit 1; }
+raycheckpoint verify "$CKPT" --json > "$WORK/verify.json" || true
+kill "$(cat "$WORK/ssh/sshd.pid")"
+echo "== done"
