@@ -34,6 +34,7 @@ from raycheckpoint import (
     CheckpointNotFoundError,
     ConfigMismatchError,
     IntegrityError,
+    LeaseHeldError,
     ResumableSampler,
     Storage,
 )
@@ -391,7 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigMismatchError, CheckpointNotFoundError, IntegrityError) as e:
         print(f"error: cannot resume: {e}", file=sys.stderr, flush=True)
         return 2
-    trainer.start()
+    try:
+        trainer.start()
+    except LeaseHeldError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     try:
         return trainer.run()
     finally:

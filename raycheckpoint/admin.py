@@ -10,6 +10,7 @@ References (``REF``): a checkpoint directory (``<root>/step_00000010``), or a ro
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import time
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raycheckpoint import catalog
-from raycheckpoint.errors import CheckpointNotFoundError, RayCheckpointError
+from raycheckpoint.errors import CheckpointNotFoundError, LeaseHeldError, RayCheckpointError
 from raycheckpoint.format import (
     CATALOG,
     TAGS_DIR,
@@ -26,6 +27,7 @@ from raycheckpoint.format import (
     validate_tag,
 )
 from raycheckpoint.integrity import verify_file
+from raycheckpoint.lease import read_lease
 from raycheckpoint.resume import (
     VerifiedCheckpoint,
     open_verified,
@@ -111,8 +113,11 @@ def list_root(storage: Storage, now: float | None = None) -> dict[str, Any]:
     rows.sort(key=lambda r: (r["step"], r["committed_at"] or 0.0))
     dangling = {t: target for t, target in tags.items()
                 if target not in {m.name for m in markers}}
+    lease = read_lease(storage)
+    lease_doc = None if lease is None else {**dataclasses.asdict(lease), "fresh": lease.fresh(now),
+                                            "holder": lease.describe()}
     return {"root": storage.url(), "latest": latest, "tags": tags, "dangling_tags": dangling,
-            "checkpoints": rows}
+            "lease": lease_doc, "checkpoints": rows}
 
 
 # ---- inspect ----------------------------------------------------------------------------------
@@ -222,13 +227,20 @@ def recorded_retention(storage: Storage) -> dict[str, Any] | None:
 
 
 def gc(root: str, options: dict[str, Any] | None = None, *, dry_run: bool = False,
-       leftover_grace_s: float = 3600.0, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+       leftover_grace_s: float = 3600.0, overrides: dict[str, Any] | None = None,
+       force: bool = False) -> dict[str, Any]:
     """Apply the retention rules (the job's recorded ones, then ``overrides``) and collect
-    leftovers; the same code the coordinator runs."""
+    leftovers; the same code the coordinator runs.  Refused while a job holds the root's
+    lease (its coordinator applies retention itself) unless ``force``."""
     from raycheckpoint.config import CheckpointConfig
     from raycheckpoint.coordinator import CheckpointCoordinator
 
     storage = open_root(root, options)
+    lease = read_lease(storage)
+    if lease is not None and lease.fresh() and not dry_run and not force:
+        raise LeaseHeldError(f"{storage.url()} is in use by {lease.describe()}; its coordinator "
+                             "applies retention after every commit. Use --dry-run to look, or "
+                             "--force to collect anyway.", holder=lease.job_name)
     recorded = recorded_retention(storage)
     rules = {**(recorded or {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
     config = CheckpointConfig(save_dir=root, storage_options=dict(options or {}),

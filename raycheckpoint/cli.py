@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-best-n", type=int, help="override the job's keep_best_n")
     p.add_argument("--best-metric", help="override the job's best_metric")
     p.add_argument("--best-mode", choices=("max", "min"), help="override the job's best_mode")
+    p.add_argument("--force", action="store_true",
+                   help="collect even while a job holds the root's lease")
     _add_common(p)
 
     p = sub.add_parser("export", help="write a role's weights as a Hugging Face directory or a "
@@ -229,6 +231,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
                       _metrics_text(r["metrics"]) or "-", human_bytes(r["bytes"]),
                       human_age(r["age_s"]), state, style=style)
     console.print(table)
+    lease = doc["lease"]
+    if lease is not None:
+        state = "held by" if lease["fresh"] else "stale lease of"
+        console.print(f"LEASE: {state} {lease['holder']}")
     for t, target in sorted(doc["dangling_tags"].items()):
         console.print(f"[yellow]tag {t} points to {target}, which is not committed[/yellow]")
     return EXIT_OK
@@ -313,7 +319,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                  "keep_best_n": args.keep_best_n, "best_metric": args.best_metric,
                  "best_mode": args.best_mode}
     doc = admin.gc(args.root, storage_options(args), dry_run=args.dry_run,
-                   leftover_grace_s=args.grace_s, overrides=overrides)
+                   leftover_grace_s=args.grace_s, overrides=overrides, force=args.force)
     if args.json:
         _emit_json(doc)
         return EXIT_OK

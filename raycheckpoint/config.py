@@ -62,6 +62,12 @@ class CheckpointConfig:
     resume_from: str | None = None
     allow_reshard: bool = True  # False: a changed world size is a config mismatch
 
+    # job isolation (see lease.py): one job writes a root at a time
+    lease: bool = True
+    lease_ttl_s: float = 30.0
+    lease_takeover: bool = False
+    lease_wait_s: float | None = None  # default: lease_ttl_s + 5 (a crashed holder goes stale)
+
     # monitoring (see metrics.py): Ray metrics, and warnings on abnormal growth
     publish_metrics: bool = True
     anomaly_window: int = 10
@@ -95,7 +101,7 @@ class CheckpointConfig:
         if self.anomaly_window < 1:
             raise ValueError(f"anomaly_window must be >= 1, got {self.anomaly_window!r}")
         for name in ("commit_timeout_s", "save_wait_timeout_s", "rpc_timeout_s",
-                     "stall_warn_factor", "size_warn_factor"):
+                     "stall_warn_factor", "size_warn_factor", "lease_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 

@@ -35,7 +35,7 @@ from typing import Any
 from raycheckpoint import catalog
 from raycheckpoint._internal import faults
 from raycheckpoint.config import CheckpointConfig
-from raycheckpoint.errors import CheckpointSaveError, CommitTimeoutError
+from raycheckpoint.errors import CheckpointSaveError, CommitTimeoutError, LeaseLostError
 from raycheckpoint.format import (
     CATALOG,
     COMMITTED,
@@ -53,6 +53,7 @@ from raycheckpoint.format import (
     validate_tag,
     version_info,
 )
+from raycheckpoint.lease import read_lease
 from raycheckpoint.retention import RetentionPolicy
 from raycheckpoint.storage import FileEntry, StorageSpec
 
@@ -84,8 +85,10 @@ class _Save:
 
 
 class CheckpointCoordinator:
-    def __init__(self, storage: StorageSpec, config: CheckpointConfig, *, recover: bool = True) -> None:
+    def __init__(self, storage: StorageSpec, config: CheckpointConfig, *, recover: bool = True,
+                 lease_job_id: str | None = None) -> None:
         self.spec = storage
+        self.lease_job_id = lease_job_id  # the job lease this coordinator writes under
         self.storage = storage.open()
         self.config = config
         self.policy = RetentionPolicy.from_config(config)
@@ -141,6 +144,17 @@ class CheckpointCoordinator:
             report["deleted"] = self._apply_retention(markers, tags, dry_run=dry_run)
             return report
 
+    def _check_lease(self) -> None:
+        """Before anything irreversible: is the root still this job's? (see lease.py)"""
+        if self.lease_job_id is None:
+            return
+        current = read_lease(self.storage)
+        if current is None or current.job_id != self.lease_job_id:
+            who = current.describe() if current is not None else "nobody (the lease was removed)"
+            raise LeaseLostError(f"the lease on {self.storage.url()} is now held by {who}; this "
+                                 f"job (lease {self.lease_job_id}) no longer writes there",
+                                 holder=None if current is None else current.job_name)
+
     def _write_latest(self, name: str) -> None:
         self.storage.write_pointer(LATEST, (name + "\n").encode())
         self.storage.symlink(LATEST_LINK, name)
@@ -165,6 +179,7 @@ class CheckpointCoordinator:
                     recent.append(name)
                     continue
             if not dry_run:
+                self._check_lease()
                 self._delete_step(name, referenced)
             collected.append(name)
         return collected, recent
@@ -209,6 +224,7 @@ class CheckpointCoordinator:
         doomed = self.policy.to_delete(entries, protected=protected)
         if not doomed or dry_run:
             return doomed
+        self._check_lease()
         kept = [m for m in markers if m.name not in doomed]
         for name in doomed:
             self._markers.pop(name, None)
@@ -442,6 +458,7 @@ class CheckpointCoordinator:
                         manifest_sha256=m_entry.sha256, bytes=manifest.total_bytes + m_entry.size,
                         metrics=save.metrics, tag=save.tag)
         faults.check("coordinator.before_marker", path=name)
+        self._check_lease()
         s.create_marker(f"{name}/{COMMITTED}", marker.to_bytes())
         self._manifests[name] = manifest
         self._markers[name] = marker

@@ -75,3 +75,11 @@ class CheckpointSaveError(RayCheckpointError, RuntimeError):
 
 class InjectedFault(RayCheckpointError, RuntimeError):
     """Raised at a named fault point armed by a test (see ``_internal.faults``)."""
+
+
+class LeaseHeldError(RayCheckpointError, RuntimeError):
+    """Another job holds the checkpoint root's lease (the message names it)."""
+
+
+class LeaseLostError(RayCheckpointError, RuntimeError):
+    """This job's lease on its checkpoint root was taken over by another job."""

@@ -2,7 +2,7 @@
 
 Layout of one job root (DESIGN section 3)::
 
-    LATEST  latest  catalog.json  tags/<tag>
+    LEASE  LATEST  latest  catalog.json  tags/<tag>
     step_00001000/ COMMITTED version.json manifest.msgpack trainer_state.json
                    rng/<role>/rank_<r>.msgpack  <role>/  (DCP directory per role)
                    assets/<role>/<file>  (e.g. a Hugging Face config.json and tokenizer
@@ -35,6 +35,7 @@ FORMAT_VERSION = 1
 COMPATIBLE_SINCE = 1
 BREAKING_CHANGES: list[str] = []
 
+LEASE = "LEASE"
 LATEST = "LATEST"
 LATEST_LINK = "latest"
 CATALOG = "catalog.json"

@@ -40,6 +40,7 @@ from raycheckpoint.errors import (
     RayCheckpointError,
 )
 from raycheckpoint.format import rng_file
+from raycheckpoint.lease import Lease
 from raycheckpoint.metrics import CheckpointMetrics
 from raycheckpoint.resume import (
     VerifiedCheckpoint,
@@ -90,14 +91,14 @@ def coordinator_name(storage: Storage) -> str:
     return "coordinator-" + hashlib.sha256(storage.url().rstrip("/").encode()).hexdigest()[:16]
 
 
-def _start_coordinator(spec: StorageSpec, config: CheckpointConfig) -> Any:
+def _start_coordinator(spec: StorageSpec, config: CheckpointConfig, lease_job_id: str | None) -> Any:
     name = coordinator_name(spec.open())
     deadline = time.monotonic() + 30
     while True:
         try:
             return ray.remote(CheckpointCoordinator).options(
                 name=name, namespace=COORDINATOR_NAMESPACE, max_concurrency=64,
-                num_cpus=0).remote(spec, config)
+                num_cpus=0).remote(spec, config, lease_job_id=lease_job_id)
         except ValueError as e:  # the name is held: a previous coordinator still shutting down
             if time.monotonic() > deadline:
                 raise RuntimeError(
@@ -182,7 +183,23 @@ class CheckpointManager:
             config.job_name, window=config.anomaly_window, stall_warn_factor=config.stall_warn_factor,
             size_warn_factor=config.size_warn_factor, publish=config.publish_metrics)
         self._handles: list[SaveHandle] = []
-        self._coordinator = _start_coordinator(self.spec, config)
+        self._lease: Lease | None = None
+        if config.lease:  # refuse (naming the holder) before touching anything under the root
+            self._lease = Lease(self.storage, job_name=config.job_name, ttl_s=config.lease_ttl_s,
+                                takeover=config.lease_takeover, wait_s=config.lease_wait_s).acquire()
+            if self._lease.took_over is not None:
+                logger.warning("took over the lease of %s from %s", config.save_dir,
+                               self._lease.took_over.describe())
+        try:
+            self._start(config, prepare_buffers)
+        except BaseException:
+            if self._lease is not None:
+                self._lease.release()
+            raise
+
+    def _start(self, config: CheckpointConfig, prepare_buffers: bool) -> None:
+        self._coordinator = _start_coordinator(
+            self.spec, config, None if self._lease is None else self._lease.job_id)
         rpc = config.rpc_timeout_s
         _get([w.ckpt_setup.remote(role=role, rank=rank, world_size=len(ws), storage=self.spec,
                                   report_timeout_s=rpc)
@@ -447,3 +464,5 @@ class CheckpointManager:
             self.wait_for_saves(timeout)
         finally:
             ray.kill(self._coordinator)
+            if self._lease is not None:
+                self._lease.release()

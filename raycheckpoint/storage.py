@@ -258,18 +258,21 @@ class Storage:
             return []
         return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
 
-    def list_files(self, rel: str = "") -> dict[str, int]:
-        """Every file below ``rel`` (recursive) as ``{path relative to root: size}``."""
+    def _find(self, rel: str) -> dict[str, dict[str, Any]]:
+        """fsspec ``find`` below ``rel`` with details (fresh on object stores); {} if absent."""
         full = self.full_path(rel)
         if not self.is_posix:
             self.fs.invalidate_cache(full)
         try:
-            found = self.fs.find(full, detail=True)
+            return self.fs.find(full, detail=True)
         except FileNotFoundError:
             return {}
+
+    def list_files(self, rel: str = "") -> dict[str, int]:
+        """Every file below ``rel`` (recursive) as ``{path relative to root: size}``."""
         prefix = self.root.rstrip("/") + "/" if self.root != "/" else "/"
         out = {}
-        for path, info in found.items():
+        for path, info in self._find(rel).items():
             if info.get("type") == "directory":
                 continue
             p = path if path.startswith("/") or not self.root.startswith("/") else "/" + path
@@ -278,15 +281,8 @@ class Storage:
 
     def modified(self, rel: str = "") -> float | None:
         """Newest modification time (epoch seconds) of any file below ``rel``; None if empty."""
-        full = self.full_path(rel)
-        if not self.is_posix:
-            self.fs.invalidate_cache(full)
-        try:
-            found = self.fs.find(full, detail=True)
-        except FileNotFoundError:
-            return None
         newest = None
-        for info in found.values():
+        for info in self._find(rel).values():
             t = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
             if hasattr(t, "timestamp"):
                 t = t.timestamp()

@@ -332,3 +332,26 @@ def test_commands_on_s3(job_root, s3_root, tmp_path, capsys):
         "step_00000002", "step_00000003", "step_00000004"}
     code, _, err = run(capsys, "ls", "s3://no-such-bucket/x", *opts)
     assert code == 2 and "nothing stored there" in err
+
+
+def test_ls_shows_the_lease_and_gc_waits_for_the_job(root, capsys):
+    from raycheckpoint import Storage
+    from raycheckpoint.lease import Lease
+
+    lease = Lease(Storage(root), job_name="live-job").acquire()
+    try:
+        code, doc = run_json(capsys, "ls", root)
+        assert doc["lease"]["job_name"] == "live-job" and doc["lease"]["fresh"]
+        code, out, _ = run(capsys, "ls", root)
+        assert "LEASE: held by job 'live-job'" in out
+        code, _, err = run(capsys, "gc", root, "--keep-last-n", "1")
+        assert code == 2 and "live-job" in err and "--force" in err
+        assert os.path.exists(f"{root}/step_00000002/COMMITTED")
+        code, doc = run_json(capsys, "gc", root, "--keep-last-n", "1", "--dry-run")
+        assert code == 0 and doc["deleted"] == ["step_00000002"]
+        code, doc = run_json(capsys, "gc", root, "--keep-last-n", "1", "--force")
+        assert code == 0 and doc["deleted"] == ["step_00000002"]
+    finally:
+        lease.release()
+    code, doc = run_json(capsys, "ls", root)
+    assert doc["lease"] is None

@@ -42,25 +42,21 @@ CKPT="$WORK/checkpoints"
 JOB=(python -m drivers.main_ppo "trainer.default_local_dir=$CKPT" trainer.save_freq=2
      trainer.n_gpus_per_node=1 data.train_batch_size=4 actor_rollout_ref.rollout.n=2)
 cd "$REPO"
-echo "== ray up (1)"; date +%s.%N
-ray up -y --no-config-cache "$CONFIG" > "$WORK/up1.log" 2>&1 || { tail -50 "$WORK/up1.log"; exit 1; }
-date +%s.%N
-echo "== job: 4 steps"
-ray job submit --address http://127.0.0.1:8265 --working-dir . -- "${JOB[@]}" \
-  trainer.total_training_steps=4 > "$WORK/job1.log" 2>&1 || { tail -60 "$WORK/job1.log"; exit 1; }
-grep -E "^checkpoint step_" "$WORK/job1.log" || true
-echo "== ray down (1)"
-ray down -y "$CONFIG" > "$WORK/down1.log" 2>&1 || { tail -30 "$WORK/down1.log"; exit 1; }
+step() {  # step NAME COMMAND...: output to $WORK/NAME.log; its tail if it fails; its duration
+  local name=$1 start=$SECONDS; shift
+  "$@" > "$WORK/$name.log" 2>&1 || { echo "$name failed:"; tail -60 "$WORK/$name.log"; exit 1; }
+  echo "== $name: $((SECONDS - start)) s"
+}
+submit() { ray job submit --address http://127.0.0.1:8265 --working-dir . -- "${JOB[@]}" "$@"; }
+step up1 ray up -y --no-config-cache "$CONFIG"
+step job1 submit trainer.total_training_steps=4
+step down1 ray down -y "$CONFIG"
 if ray status --address 127.0.0.1:6379 > /dev/null 2>&1; then echo "cluster still up after ray down"; exit 1; fi
 raycheckpoint ls "$CKPT" --json > "$WORK/ls1.json"
-echo "== ray up (2)"
-ray up -y --no-config-cache "$CONFIG" > "$WORK/up2.log" 2>&1 || { tail -50 "$WORK/up2.log"; exit 1; }
-echo "== job: resume, 6 steps"
-ray job submit --address http://127.0.0.1:8265 --working-dir . -- "${JOB[@]}" \
-  trainer.total_training_steps=6 > "$WORK/job2.log" 2>&1 || { tail -60 "$WORK/job2.log"; exit 1; }
-grep -E "^resumed from|^checkpoint step_" "$WORK/job2.log" || true
-echo "== ray down (2)"
-ray down -y "$CONFIG" > "$WORK/down2.log" 2>&1 || { tail -30 "$WORK/down2.log"; exit 1; }
+step up2 ray up -y --no-config-cache "$CONFIG"
+step job2 submit trainer.total_training_steps=6
+step down2 ray down -y "$CONFIG"
+grep -hE "^resumed from|^checkpoint step_" "$WORK/job1.log" "$WORK/job2.log" || true
 raycheckpoint verify "$CKPT" --json > "$WORK/verify.json" || true
 kill "$(cat "$WORK/ssh/sshd.pid")"
 echo "== done"

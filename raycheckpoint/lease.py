@@ -1,0 +1,191 @@
+"""The job lease: one job writes a checkpoint root at a time.
+
+``<root>/LEASE`` (JSON) names the holder: job id and name, host, pid, and a heartbeat
+refreshed every ``ttl_s / 3`` seconds by a thread of the driver.  A second job pointed
+at the same root is refused with a :class:`LeaseHeldError` naming the holder, unless
+
+* the lease is stale (no heartbeat for ``ttl_s``: the holder died), waited for up to
+  ``wait_s`` so a job restarted right after a crash resumes without a person;
+* the holder ran on this host and its process is gone (taken at once);
+* takeover is asked for explicitly (``lease_takeover=True``).
+
+A job whose lease was taken over learns it at its next heartbeat or commit: the
+coordinator checks the lease before writing ``COMMITTED`` and before deleting anything,
+and aborts the save with a :class:`LeaseLostError` naming the new holder.
+
+The first lease is created exclusively (the same atomic create as ``COMMITTED``); a
+stale or taken-over one is replaced with one atomic write, then read back.  Two jobs
+taking over the same stale lease at the same instant are decided by that read-back; a
+holder whose heartbeat races a takeover keeps its lease and the taker gets
+LeaseLostError at its next check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from raycheckpoint.errors import LeaseHeldError, LeaseLostError
+from raycheckpoint.format import LEASE
+from raycheckpoint.storage import Storage
+
+
+@dataclass
+class LeaseInfo:
+    job_id: str
+    job_name: str
+    host: str
+    pid: int
+    started_at: float
+    heartbeat_at: float
+    ttl_s: float
+
+    def age(self, now: float | None = None) -> float:
+        return (time.time() if now is None else now) - self.heartbeat_at
+
+    def fresh(self, now: float | None = None) -> bool:
+        return self.age(now) < self.ttl_s
+
+    def describe(self) -> str:
+        return (f"job {self.job_name!r} (id {self.job_id}) on {self.host} pid {self.pid}, "
+                f"last heartbeat {self.age():.0f}s ago (stale after {self.ttl_s:.0f}s)")
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> LeaseInfo:
+        d = json.loads(data)
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+def read_lease(storage: Storage) -> LeaseInfo | None:
+    """The current lease; None when there is none (or it is unreadable: treated as stale)."""
+    try:
+        return LeaseInfo.from_bytes(storage.read_bytes(LEASE))
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        return LeaseInfo("unreadable", "unreadable", "?", -1, 0.0, 0.0, 0.0)
+
+
+def _process_gone(info: LeaseInfo) -> bool:
+    """True when the holder ran on this host and its process no longer exists."""
+    if info.host != socket.gethostname() or info.pid <= 0:
+        return False
+    try:
+        os.kill(info.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+class Lease:
+    def __init__(self, storage: Storage, *, job_name: str, ttl_s: float = 30.0,
+                 takeover: bool = False, wait_s: float | None = None) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl_s must be positive, got {ttl_s!r}")
+        self.storage = storage
+        self.ttl_s = ttl_s
+        self.takeover = takeover
+        self.wait_s = ttl_s + 5.0 if wait_s is None else wait_s
+        now = time.time()
+        self.info = LeaseInfo(job_id=uuid.uuid4().hex[:16], job_name=job_name,
+                              host=socket.gethostname(), pid=os.getpid(), started_at=now,
+                              heartbeat_at=now, ttl_s=ttl_s)
+        self.took_over: LeaseInfo | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost: LeaseLostError | None = None
+
+    @property
+    def job_id(self) -> str:
+        return self.info.job_id
+
+    def _stamp(self) -> bytes:
+        self.info.heartbeat_at = time.time()
+        return self.info.to_bytes()
+
+    def acquire(self) -> Lease:
+        """Take the lease (see the module doc); raise LeaseHeldError naming the holder."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            current = read_lease(self.storage)
+            if current is None:
+                try:
+                    self.storage.create_marker(LEASE, self._stamp())
+                    return self._started()
+                except FileExistsError:
+                    continue  # another job created it first: look again
+            if current.job_id == self.job_id:
+                return self._started()
+            if self.takeover or not current.fresh() or _process_gone(current):
+                self.storage.write_pointer(LEASE, self._stamp())
+                time.sleep(0.2)  # a simultaneous taker's write lands before this read-back
+                after = read_lease(self.storage)
+                if after is not None and after.job_id == self.job_id:
+                    self.took_over = current
+                    return self._started()
+                current = after or current
+            if time.monotonic() >= deadline:
+                raise LeaseHeldError(
+                    f"checkpoint root {self.storage.url()} is in use by {current.describe()}. "
+                    "One job writes a root at a time: point this job at another directory, stop "
+                    "the other job, or take the lease over explicitly (checkpoint.lease_takeover"
+                    "=true) if it is gone.", holder=current.job_name, holder_id=current.job_id)
+            time.sleep(min(1.0, max(0.05, self.ttl_s / 10)))
+
+    def _started(self) -> Lease:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name="raycheckpoint-lease",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        interval = self.ttl_s / 3
+        while not self._stop.wait(interval):
+            try:
+                self.heartbeat()
+            except LeaseLostError as e:
+                self.lost = e
+                return
+            except Exception:  # noqa: BLE001 - a storage hiccup: try again next beat
+                continue
+
+    def check(self) -> None:
+        """Raise LeaseLostError unless this job still holds the lease."""
+        if self.lost is not None:
+            raise self.lost
+        current = read_lease(self.storage)
+        if current is None or current.job_id != self.job_id:
+            who = current.describe() if current is not None else "nobody (the lease was removed)"
+            self.lost = LeaseLostError(
+                f"the lease on {self.storage.url()} is now held by {who}; this job "
+                f"({self.info.job_name!r}, id {self.job_id}) no longer writes there",
+                holder=None if current is None else current.job_name)
+            raise self.lost
+
+    def heartbeat(self) -> None:
+        self.check()
+        self.storage.write_pointer(LEASE, self._stamp())
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lease if this job still holds it."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        current = read_lease(self.storage)
+        if current is not None and current.job_id == self.job_id:
+            self.storage.delete(LEASE)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self.info)

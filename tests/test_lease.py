@@ -1,0 +1,164 @@
+"""Job isolation: the LEASE of a checkpoint root, on local disk and on the S3 server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+
+import pytest
+
+from raycheckpoint import CheckpointSaveError, LeaseHeldError, LeaseLostError, Storage
+from raycheckpoint.format import COMMITTED, LATEST
+from raycheckpoint.lease import LEASE, Lease, LeaseInfo, read_lease
+from tests.helpers import manager, train
+
+pytestmark = pytest.mark.timeout(300)
+
+BACKENDS = ["local", pytest.param("s3", marks=pytest.mark.s3)]
+
+
+@pytest.fixture
+def storage(request, local_root):
+    if request.param == "local":
+        return Storage(local_root)
+    uri, options = request.getfixturevalue("s3_root")
+    return Storage(uri, options)
+
+
+def plant(storage: Storage, **fields) -> LeaseInfo:
+    """A lease written by some other job (as it would be on another machine)."""
+    now = time.time()
+    info = LeaseInfo(**{"job_id": "0123456789abcdef", "job_name": "elsewhere", "host": "other-host",
+                        "pid": 4242, "started_at": now, "heartbeat_at": now, "ttl_s": 30.0,
+                        **fields})
+    storage.write_pointer(LEASE, info.to_bytes())
+    return info
+
+
+@pytest.mark.parametrize("storage", BACKENDS, indirect=True)
+def test_a_second_job_is_refused_naming_the_holder(storage):
+    a = Lease(storage, job_name="job-a", ttl_s=30).acquire()
+    try:
+        with pytest.raises(LeaseHeldError) as e:
+            Lease(storage, job_name="job-b", ttl_s=30, wait_s=0).acquire()
+        assert "job 'job-a'" in str(e.value) and socket.gethostname() in str(e.value)
+        assert f"pid {a.info.pid}" in str(e.value) and e.value.holder == "job-a"
+        first = read_lease(storage).heartbeat_at
+        a.heartbeat()
+        assert read_lease(storage).heartbeat_at >= first
+    finally:
+        a.release()
+    assert read_lease(storage) is None  # released: the next job gets it at once
+    b = Lease(storage, job_name="job-b", wait_s=0).acquire()
+    assert read_lease(storage).job_id == b.job_id and b.took_over is None
+    b.release()
+
+
+@pytest.mark.parametrize("storage", BACKENDS, indirect=True)
+def test_a_stale_lease_is_taken_after_its_ttl(storage):
+    plant(storage, job_name="crashed", ttl_s=1.5)  # no more heartbeats from it
+    t0 = time.monotonic()
+    b = Lease(storage, job_name="restarted", ttl_s=30, wait_s=10).acquire()
+    try:
+        assert 1.0 <= time.monotonic() - t0 < 8
+        assert b.took_over.job_name == "crashed" and read_lease(storage).job_name == "restarted"
+    finally:
+        b.release()
+
+
+def test_a_dead_holder_on_this_host_is_replaced_at_once(local_root):
+    storage = Storage(local_root)
+    done = subprocess.Popen(["true"])
+    done.wait()
+    plant(storage, job_name="killed", host=socket.gethostname(), pid=done.pid, ttl_s=300)
+    b = Lease(storage, job_name="restarted", wait_s=0).acquire()
+    assert b.took_over.job_name == "killed"
+    b.release()
+    # a live holder on this host is respected
+    plant(storage, job_name="alive", host=socket.gethostname(), pid=1, ttl_s=300)
+    with pytest.raises(LeaseHeldError, match="alive"):
+        Lease(storage, job_name="other", wait_s=0).acquire()
+
+
+@pytest.mark.parametrize("storage", BACKENDS, indirect=True)
+def test_explicit_takeover_and_the_old_holder_learns_it(storage):
+    a = Lease(storage, job_name="job-a", ttl_s=0.9).acquire()  # heartbeat every 0.3 s
+    b = Lease(storage, job_name="job-b", takeover=True, wait_s=0).acquire()
+    try:
+        assert b.took_over.job_name == "job-a"
+        with pytest.raises(LeaseLostError, match="job 'job-b'"):
+            a.check()
+        time.sleep(1.0)  # a's heartbeat thread stopped at its first beat after the takeover
+        assert isinstance(a.lost, LeaseLostError) and read_lease(storage).job_id == b.job_id
+        a.release()  # must not remove b's lease
+        assert read_lease(storage).job_id == b.job_id
+    finally:
+        b.release()
+
+
+def test_an_unreadable_lease_counts_as_stale(local_root):
+    storage = Storage(local_root)
+    storage.write_pointer(LEASE, b"{not json")
+    b = Lease(storage, job_name="fresh", wait_s=0).acquire()
+    assert json.loads(storage.read_bytes(LEASE))["job_name"] == "fresh"
+    b.release()
+
+
+def test_manager_refuses_a_held_root_and_a_takeover_stops_the_old_job(group2, local_root):
+    storage = Storage(local_root)
+    other = Lease(storage, job_name="other-job").acquire()
+    with pytest.raises(LeaseHeldError, match="other-job"):
+        manager(local_root, {"actor": group2}, config={"lease_wait_s": 0})
+    assert read_lease(storage).job_id == other.job_id  # the refused job wrote nothing
+    assert storage.list_dir("") == [LEASE]
+    other.release()
+
+    m = manager(local_root, {"actor": group2}, config={"job_name": "trainer", "lease_wait_s": 0})
+    try:
+        assert read_lease(storage).job_name == "trainer"
+        train(group2, [1])
+        m.update(step=1)
+        m.save_checkpoint().wait(120)
+        intruder = Lease(storage, job_name="intruder", takeover=True, wait_s=0).acquire()
+        train(group2, [2])
+        m.update(step=2)
+        h = m.save_checkpoint()
+        with pytest.raises(CheckpointSaveError, match="intruder"):
+            h.wait(120)
+        assert not storage.exists(f"step_00000002/{COMMITTED}")
+        assert storage.read_bytes(LATEST).decode().strip() == "step_00000001"
+        intruder.release()
+    finally:
+        m.close(120)
+
+
+def test_jobs_on_sibling_roots_never_touch_each_other(group2, group3, tmp_path):
+    ra, rb = str(tmp_path / "runs" / "a"), str(tmp_path / "runs" / "b")
+    ma = manager(ra, {"actor": group2}, config={"job_name": "a", "keep_last_n": 1})
+    mb = manager(rb, {"actor": group3}, config={"job_name": "b", "keep_last_n": 2})
+    try:
+        for step in (1, 2, 3):
+            train(group2, [step])
+            train(group3, [step])
+            ma.update(step=step, metrics={"reward": step})
+            mb.update(step=10 + step, metrics={"reward": -step})
+            ha = ma.save_checkpoint(tag="a-first" if step == 1 else None)
+            hb = mb.save_checkpoint(tag="b-first" if step == 1 else None)
+            ha.wait(120)
+            hb.wait(120)
+        ca, cb = ma.catalog(), mb.catalog()
+    finally:
+        ma.close(120)
+        mb.close(120)
+    assert [c["name"] for c in ca["checkpoints"]] == ["step_00000001", "step_00000003"]
+    assert [c["name"] for c in cb["checkpoints"]] == ["step_00000011", "step_00000012",
+                                                      "step_00000013"]  # 11: tagged
+    assert ca["tags"] == {"a-first": "step_00000001"} and cb["tags"] == {"b-first": "step_00000011"}
+    sa, sb = Storage(ra), Storage(rb)
+    assert sa.read_bytes(LATEST).decode().strip() == "step_00000003"
+    assert sb.read_bytes(LATEST).decode().strip() == "step_00000013"
+    assert not any(n.startswith("step_0000001") for n in sa.list_dir(""))
+    assert not any(n in ("step_00000001", "step_00000002", "step_00000003") for n in sb.list_dir(""))
+    assert read_lease(sa) is None and read_lease(sb) is None  # both released on close
