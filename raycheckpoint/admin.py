@@ -90,7 +90,7 @@ def is_checkpoint_dir(ref: str) -> bool:
 
 def list_root(storage: Storage, now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
-    markers, uncommitted = catalog.scan(storage)
+    markers, uncommitted, corrupt = catalog.scan_all(storage)
     latest = catalog.read_latest(storage)
     tags = catalog.read_tags(storage)
     by_target: dict[str, list[str]] = {}
@@ -110,6 +110,11 @@ def list_root(storage: Storage, now: float | None = None) -> dict[str, Any]:
                      "bytes": sum(files.values()), "committed_at": None,
                      "age_s": None if modified is None else max(0.0, now - modified),
                      "latest": name == latest})
+    for name, error in corrupt.items():
+        rows.append({"name": name, "step": parse_step_dir(name), "kind": None,
+                     "state": "corrupt marker", "tags": by_target.get(name, []), "metrics": {},
+                     "bytes": sum(storage.list_files(name).values()), "committed_at": None,
+                     "age_s": None, "latest": name == latest, "error": str(error)})
     rows.sort(key=lambda r: (r["step"], r["committed_at"] or 0.0))
     dangling = {t: target for t, target in tags.items()
                 if target not in {m.name for m in markers}}
@@ -162,10 +167,11 @@ def verify(ref: str, options: dict[str, Any] | None = None, *, step: int | None 
     whole_root = not is_checkpoint_dir(ref) and step is None and tag is None
     if whole_root:
         storage = open_root(ref, options)
-        markers, _ = catalog.scan(storage)
-        if not markers:
+        markers, _, corrupt = catalog.scan_all(storage)
+        if not markers and not corrupt:
             raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url()}", ref=ref)
-        names = [m.name for m in markers]
+        names = sorted([m.name for m in markers] + list(corrupt),
+                       key=lambda n: (parse_step_dir(n), n))
     else:
         storage, candidates = locate_ref(ref, options, step=step, tag=tag)
         names = candidates[:1]

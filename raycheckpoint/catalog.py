@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from raycheckpoint.errors import IntegrityError
 from raycheckpoint.format import (
     CATALOG,
     COMMITTED,
@@ -35,22 +36,44 @@ def step_dirs(storage: Storage) -> list[str]:
 
 
 def read_marker(storage: Storage, name: str) -> Marker | None:
+    """The marker of ``name``; None when absent; IntegrityError when unreadable."""
+    rel = f"{name}/{COMMITTED}"
     try:
-        return Marker.from_bytes(storage.read_bytes(f"{name}/{COMMITTED}"))
+        data = storage.read_bytes(rel)
     except FileNotFoundError:
         return None
+    try:
+        marker = Marker.from_bytes(data)
+    except (ValueError, KeyError, TypeError) as e:
+        raise IntegrityError(f"{rel}: unreadable commit marker ({type(e).__name__}: {e})",
+                             path=rel) from None
+    if marker.name != name:
+        raise IntegrityError(f"{rel}: marker names {marker.name!r}, not {name!r}", path=rel)
+    return marker
 
 
-def scan(storage: Storage) -> tuple[list[Marker], list[str]]:
-    """(committed markers oldest first, step directories without a marker)."""
-    committed, uncommitted = [], []
+def scan_all(storage: Storage) -> tuple[list[Marker], list[str], dict[str, IntegrityError]]:
+    """(committed markers oldest first, step dirs without a marker, dirs whose marker is
+    unreadable -> the error).  A corrupt marker is neither committed nor garbage: such a
+    directory is never read and never collected; `raycheckpoint verify` reports it."""
+    committed, uncommitted, corrupt = [], [], {}
     for name in step_dirs(storage):
-        marker = read_marker(storage, name)
+        try:
+            marker = read_marker(storage, name)
+        except IntegrityError as e:
+            corrupt[name] = e
+            continue
         if marker is None:
             uncommitted.append(name)
         else:
             committed.append(marker)
     committed.sort(key=order_key)
+    return committed, uncommitted, corrupt
+
+
+def scan(storage: Storage) -> tuple[list[Marker], list[str]]:
+    """(committed markers oldest first, step directories without a marker)."""
+    committed, uncommitted, _ = scan_all(storage)
     return committed, uncommitted
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayTaskError
 
+from raycheckpoint import catalog
 from raycheckpoint.config import CheckpointConfig
 from raycheckpoint.coordinator import CheckpointCoordinator
 from raycheckpoint.errors import (
@@ -361,9 +362,13 @@ class CheckpointManager:
         """
         storage, ref = locate(self.storage, ref, self.config.storage_options)
         names = resolve(storage, ref)
-        if not names:
-            return None  # only "auto" resolves to nothing
         failures = []
+        if ref == "auto":
+            for bad, error in sorted(catalog.scan_all(storage)[2].items()):
+                warnings.warn(f"checkpoint {bad} is skipped: {error}", RuntimeWarning, stacklevel=2)
+                failures.append(f"{bad}: {error}")
+        if not names and not failures:
+            return None  # only "auto" resolves to nothing: a fresh root
         for name in names:
             try:
                 return self._load(storage, name, strict=strict, weights_only=False)

@@ -107,6 +107,9 @@ def resolve(storage: Storage, ref: str | int) -> list[str]:
                       key=lambda m: (m.kind == "full", m.committed_at), reverse=True)
         if hits:
             return [m.name for m in hits]
+        for name in catalog.step_dirs(storage):
+            if parse_step_dir(name) == step:
+                catalog.read_marker(storage, name)  # an unreadable marker: IntegrityError
         raise CheckpointNotFoundError(f"no committed checkpoint at step {step}; "
                                       + _available(storage), ref=str(ref))
     if ref == "auto":
@@ -124,6 +127,7 @@ def resolve(storage: Storage, ref: str | int) -> list[str]:
     if parse_step_dir(ref) is not None:
         if ref in committed:
             return [ref]
+        catalog.read_marker(storage, ref)  # an unreadable marker: IntegrityError naming it
         raise CheckpointNotFoundError(f"{ref} is not a committed checkpoint; "
                                       + _available(storage), ref=ref)
     tags = catalog.read_tags(storage)
