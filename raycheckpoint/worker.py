@@ -4,7 +4,9 @@ A worker class (any Ray actor holding a role's shard) inherits this mixin and
 implements four hooks:
 
 * ``ckpt_state_dict(kind)``: the tensors to save (``{"model": ..., "optim": ...}`` for
-  ``full``, ``{"model": ...}`` for ``light``); DTensors from FSDP2 are fine;
+  ``full``, ``{"model": ...}`` for ``light``); DTensors from FSDP2 are fine.  Build the
+  optimizer part with :func:`optimizer_state_dict`: torch's own function counts an extra
+  optimizer step when called before the first one, which would change training;
 * ``ckpt_load_state_dict(state, kind)``: apply a loaded state (same structure);
 * ``ckpt_extra_state()`` / ``ckpt_load_extra_state(extra)``: small msgpack-safe state
   (LR scheduler, counters) saved per rank next to the rank's RNG;
@@ -182,6 +184,32 @@ class CheckpointableWorker:
             skipped.append(f"{self.ckpt_role}/{self.ckpt_rank}: per-rank RNG (world size changed "
                            f"{request['saved_world_size']} -> {self.ckpt_world_size})")
         return skipped
+
+
+def optimizer_state_dict(model: torch.nn.Module, optim: torch.optim.Optimizer,
+                         options: Any = None) -> dict[str, Any]:
+    """``get_optimizer_state_dict`` that leaves training exactly as it would be without it.
+
+    Before the first ``optim.step()`` an optimizer has no state; torch's
+    ``get_optimizer_state_dict`` then creates it by running one step with zero gradients
+    and lr=0, which leaves the weights alone but counts a step: Adam's bias correction
+    would then run one step ahead, so merely snapshotting (or preparing buffers) before
+    the first step would change training.  Here the counted step is undone, giving the
+    state the optimizer's own first step creates (zero moments, ``step`` 0).
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    fresh = not optim.state
+    state = get_optimizer_state_dict(model, optim, options=options)
+    if fresh and optim.state:
+        for param_state in optim.state.values():
+            step = param_state.get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            elif isinstance(step, (int, float)):
+                param_state["step"] = type(step)(0)
+        state = get_optimizer_state_dict(model, optim, options=options)
+    return state
 
 
 def _local_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -92,3 +92,13 @@ def group3(ray_session):
 @pytest.fixture
 def local_root(tmp_path):
     return str(tmp_path / "ckpts")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print what the tests measured (crash matrix, soak figures) into the log."""
+    from tests.helpers import REPORTS
+
+    for block in REPORTS:
+        terminalreporter.write_line("")
+        for line in block.splitlines():
+            terminalreporter.write_line(line)

@@ -11,6 +11,9 @@ from raycheckpoint import CheckpointConfig, CheckpointManager
 
 RPC_TIMEOUT = 120
 
+# text blocks (tables, figures) printed at the end of the pytest run, after the results
+REPORTS: list[str] = []
+
 
 def train(group: list[Any], seeds) -> list[float]:
     losses = []

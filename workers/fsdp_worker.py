@@ -19,10 +19,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
 )
 
 from raycheckpoint._internal import faults
+from raycheckpoint.worker import optimizer_state_dict
 from workers.sharded import ShardedModelWorker
 
 
@@ -105,7 +105,7 @@ class FSDPTrainWorker(ShardedModelWorker):
         """Full (unsharded) model and optimizer state, gathered on every rank (tests)."""
         opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
         return {"model": get_model_state_dict(self.net, options=opts),
-                "optim": get_optimizer_state_dict(self.net, self.optim, options=opts),
+                "optim": optimizer_state_dict(self.net, self.optim, options=opts),
                 "sched": self.sched.state_dict(), "steps": self.steps}
 
     def rng_probe(self) -> float:

@@ -19,14 +19,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from raycheckpoint.worker import CheckpointableWorker
+from raycheckpoint.worker import CheckpointableWorker, optimizer_state_dict
 from workers.group import init_process_group
 from workers.models import ValueModel, build_causal_lm, decoder_layers, hf_assets, state_sha256
 
@@ -92,7 +91,7 @@ class ShardedModelWorker(CheckpointableWorker):
     def ckpt_state_dict(self, kind: str) -> dict[str, Any]:
         state = {"model": get_model_state_dict(self.net)}
         if kind == "full" and self.trainable:
-            state["optim"] = get_optimizer_state_dict(self.net, self.optim)
+            state["optim"] = optimizer_state_dict(self.net, self.optim)
         return state
 
     def ckpt_load_state_dict(self, state: dict[str, Any], kind: str) -> None:
