@@ -53,6 +53,10 @@ class CheckpointConfig:
     best_metric: str = "reward"
     best_mode: BestMode = "max"
 
+    # storage: transient failures (connection drops, throttling, 5xx) are retried with
+    # exponential backoff this many times per operation (see storage.py)
+    storage_retries: int = 5
+
     # integrity / security
     enable_checksum: bool = True
     encryption_key: str | None = None
@@ -98,6 +102,8 @@ class CheckpointConfig:
             raise ValueError(
                 "encryption_key must be a reference such as 'env:NAME' or 'file:PATH'; "
                 "a literal secret in a config is refused")
+        if self.storage_retries < 0:
+            raise ValueError(f"storage_retries must be >= 0, got {self.storage_retries!r}")
         if self.anomaly_window < 1:
             raise ValueError(f"anomaly_window must be >= 1, got {self.anomaly_window!r}")
         for name in ("commit_timeout_s", "save_wait_timeout_s", "rpc_timeout_s",

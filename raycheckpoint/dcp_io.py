@@ -91,21 +91,35 @@ class HashingStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         file_name = f"{plan.storage_data.prefix}0{DCP_SUFFIX}"
         rel = f"{self.dcp_dir}/{file_name}"
-        results: list[WriteResult] = []
         # bytes first, then tensors largest first: the same order torch's writer uses
         items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
-        with self.storage.open_write(rel) as w:
-            for item in items:
-                data = planner.resolve_data(item)
-                offset = w.tell()
-                if item.type == WriteItemType.BYTE_IO:
-                    w.write(data.getbuffer())
-                else:
-                    torch.save(_contiguous_owner(data), w)
-                length = w.tell() - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(file_name, offset, length)))
-        self.written.append(w.entry)
+
+        def write_file() -> tuple[list[WriteResult], FileEntry]:
+            results: list[WriteResult] = []
+            w = self.storage.open_write(rel)
+            try:
+                with w:
+                    for item in items:
+                        data = planner.resolve_data(item)
+                        offset = w.tell()
+                        if item.type == WriteItemType.BYTE_IO:
+                            w.write(data.getbuffer())
+                        else:
+                            torch.save(_contiguous_owner(data), w)
+                        length = w.tell() - offset
+                        results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                                   storage_data=_StorageInfo(file_name, offset,
+                                                                             length)))
+            except Exception as e:
+                if w.error is not None and w.error is not e:
+                    raise w.error from e  # the real cause, not torch's rewording of it
+                raise
+            return results, w.close()
+
+        # the staged tensors stay in host memory until the commit: a failed upload is
+        # written again from the start
+        results, entry = self.storage.retrying(f"write {rel}", write_file)
+        self.written.append(entry)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut

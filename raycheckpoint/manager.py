@@ -162,7 +162,8 @@ class CheckpointManager:
                 "checkpoint encryption (encryption_key) is not available in this release; "
                 "unset encryption_key to save unencrypted checkpoints")
         self.config = config
-        self.spec = StorageSpec(config.save_dir, dict(config.storage_options))
+        self.spec = StorageSpec(config.save_dir, dict(config.storage_options),
+                                retries=config.storage_retries)
         self.storage = self.spec.open()
         if self.storage.is_process_local:
             raise ValueError(f"{config.save_dir!r} is process-local (memory://): Ray workers run "
@@ -313,10 +314,15 @@ class CheckpointManager:
                 trainer_state["dataloader"] = self.dataloader.state_dict()
         expected = [(role, rank) for role, ws in self.groups.items() for rank in range(len(ws))]
         rpc = self.config.rpc_timeout_s
-        begun = _get(self._coordinator.begin.remote(
-            step=step, kind=kind, tag=tag, metrics=metrics, trainer_state=trainer_state,
-            expected=expected, world_sizes=self.world_sizes, frozen=self._identities),
-            self.config.save_wait_timeout_s + rpc)
+        try:
+            begun = _get(self._coordinator.begin.remote(
+                step=step, kind=kind, tag=tag, metrics=metrics, trainer_state=trainer_state,
+                expected=expected, world_sizes=self.world_sizes, frozen=self._identities),
+                self.config.save_wait_timeout_s + rpc)
+        except (FileNotFoundError, PermissionError):
+            raise  # the root is gone or not ours to write: not a failure of this one save
+        except OSError as e:  # storage failed (after its retries) before any worker wrote
+            return self._failed_before_start(step, kind, time.perf_counter() - t0, e)
         if "existing" in begun:
             e = begun["existing"]
             return SaveHandle(self, save_id=None, name=e["name"], step=e["step"], kind=e["kind"],
@@ -337,6 +343,24 @@ class CheckpointManager:
                             stall_s=time.perf_counter() - t0,
                             worker_stall_s=max((s["stall_s"] for s in snaps), default=0.0))
         self._handles.append(handle)
+        return handle
+
+    def _failed_before_start(self, step: int, kind: str, stall_s: float,
+                             cause: BaseException) -> SaveHandle:
+        """Record a save that failed before any worker wrote; training goes on.
+
+        The error (with its cause and the storage attempts made) is recorded once in
+        ``checkpoint_stats``, warned once, and raised by the returned handle's ``wait()``.
+        """
+        notes = "; ".join(getattr(cause, "__notes__", []))
+        error = CheckpointSaveError(
+            f"save of step {step} failed before any worker wrote: {type(cause).__name__}: {cause}"
+            + (f" ({notes})" if notes else ""), failures={"coordinator": repr(cause)})
+        handle = SaveHandle(self, save_id=None, name=f"step_{step:08d}", step=step, kind=kind,
+                            stall_s=stall_s, worker_stall_s=0.0)
+        handle._error, handle.observed = error, True
+        self._record(handle, None, error)
+        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
         return handle
 
     def wait_for_saves(self, timeout: float | None = None) -> None:

@@ -12,6 +12,11 @@ Atomicity lives here and nowhere else:
   conditional PUT (``IfNoneMatch: *``); readers therefore never see a half marker.
 * Nothing ever calls ``fs.mv`` or ``fs.transaction`` (copy + delete on object stores).
 
+Every operation is retried (:meth:`Storage.retrying`: exponential backoff with jitter,
+``retries`` attempts more) while it fails transiently (connection drops, throttling, 5xx);
+a full disk, a permission error or a missing file fails at once.  A retried exclusive
+create that finds the file recognises its own earlier, answered-but-lost write.
+
 Every write goes through a :class:`HashingWriter`, which streams, counts and sha256s
 the bytes, so a file's checksum never needs a second read.  Instances are not
 picklable; ship a :class:`StorageSpec` to other processes and ``open()`` it there.
@@ -19,18 +24,28 @@ picklable; ship a :class:`StorageSpec` to other processes and ``open()`` it ther
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import logging
 import os
 import posixpath
+import random
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from raycheckpoint._internal import faults
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+RETRY_BASE_S = 0.2
+RETRY_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -55,12 +70,13 @@ class StorageSpec:
 
     uri: str
     options: dict[str, Any] = field(default_factory=dict)
+    retries: int = 5
 
     def open(self) -> Storage:
-        return Storage(self.uri, self.options)
+        return Storage(self.uri, self.options, retries=self.retries)
 
     def child(self, name: str) -> StorageSpec:
-        return StorageSpec(self.uri.rstrip("/") + "/" + name, self.options)
+        return StorageSpec(self.uri.rstrip("/") + "/" + name, self.options, self.retries)
 
 
 class HashingWriter:
@@ -76,6 +92,7 @@ class HashingWriter:
         self._hash = hashlib.sha256()
         self._pos = 0
         self.entry: FileEntry | None = None
+        self.error: Exception | None = None
         full = storage.full_path(rel)
         if storage.is_posix:
             os.makedirs(os.path.dirname(full), exist_ok=True)
@@ -86,7 +103,13 @@ class HashingWriter:
     def write(self, data) -> int:
         mv = memoryview(data).cast("B")
         faults.check("storage.write", path=self.rel)
-        self._f.write(mv)
+        try:
+            self._f.write(mv)
+        except Exception as e:
+            # torch's zip writer replaces a failing write with "unexpected pos": keep the
+            # real cause (a full disk, a lost connection) for whoever reports the failure
+            self.error = self.error or e
+            raise
         self._hash.update(mv)
         self._pos += mv.nbytes
         return mv.nbytes
@@ -134,8 +157,10 @@ class Storage:
     """Byte-level access to one checkpoint root over fsspec."""
 
     def __init__(self, uri: str, options: dict[str, Any] | None = None, *,
-                 create: bool = True) -> None:
+                 create: bool = True, retries: int = 5) -> None:
         self.uri = uri
+        self.retries = retries
+        self.retried = 0  # transient failures retried so far (for reports and tests)
         self.options = dict(options or {})
         self.fs, root = fsspec.core.url_to_fs(uri, **self.options)
         self.is_posix = isinstance(self.fs, LocalFileSystem)
@@ -146,7 +171,30 @@ class Storage:
 
     @property
     def spec(self) -> StorageSpec:
-        return StorageSpec(self.uri, self.options)
+        return StorageSpec(self.uri, self.options, self.retries)
+
+    def retrying(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, retried with exponential backoff and jitter while it fails transiently.
+
+        Transient: connection errors, throttling and 5xx answers of object stores, and
+        other I/O errors; never a missing or existing file, a permission error, a full
+        disk or an injected fault.  The last error is raised with a note of the attempts.
+        """
+        delay = RETRY_BASE_S
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except Exception as e:
+                if attempt >= self.retries or not is_transient(e):
+                    if attempt:
+                        e.add_note(f"{what}: failed after {attempt + 1} attempts")
+                    raise
+                self.retried += 1
+                logger.warning("%s: %s: %s; retry %d/%d in %.2fs", what, type(e).__name__, e,
+                               attempt + 1, self.retries, delay)
+                time.sleep(delay * (0.5 + random.random() / 2))
+                delay = min(RETRY_MAX_S, delay * 2)
+        raise AssertionError("unreachable")
 
     @property
     def is_process_local(self) -> bool:
@@ -167,23 +215,42 @@ class Storage:
         return HashingWriter(self, rel)
 
     def write_bytes(self, rel: str, data: bytes) -> FileEntry:
-        with self.open_write(rel) as w:
-            w.write(data)
-        return w.close()
+        def once() -> FileEntry:
+            with self.open_write(rel) as w:
+                w.write(data)
+            return w.close()
+
+        return self.retrying(f"write {rel}", once)
 
     def write_pointer(self, rel: str, data: bytes) -> None:
         """Replace ``rel`` atomically with ``data`` (readers see old or new, never half)."""
         faults.check("storage.pointer", path=rel)
         full = self.full_path(rel)
         if self.is_posix:
-            _publish_posix(full, data, os.replace)
-        else:
-            self.fs.pipe_file(full, data)  # one PUT replaces the object atomically
+            self.retrying(f"write {rel}", lambda: _publish_posix(full, data, os.replace))
+        else:  # one PUT replaces the object atomically
+            self.retrying(f"write {rel}", lambda: self.fs.pipe_file(full, data))
 
     def create_marker(self, rel: str, data: bytes) -> None:
         """Create ``rel`` holding ``data``; raise FileExistsError if it already exists."""
         faults.check("storage.marker", path=rel)
         full = self.full_path(rel)
+        attempts = 0
+
+        def once() -> None:
+            nonlocal attempts
+            attempts += 1
+            try:
+                self._create_once(full, data)
+            except FileExistsError:
+                # an attempt whose answer was lost may have created it: ours if the bytes match
+                if attempts > 1 and self._read_quietly(full) == data:
+                    return
+                raise
+
+        self.retrying(f"create {rel}", once)
+
+    def _create_once(self, full: str, data: bytes) -> None:
         if self.is_posix:
             _publish_posix(full, data, os.link)  # link is atomic and fails if the marker exists
         elif self.protocol in ("s3", "s3a"):
@@ -200,6 +267,13 @@ class Storage:
                 raise FileExistsError(full)
             self.fs.pipe_file(full, data)
 
+    def _read_quietly(self, full: str) -> bytes | None:
+        try:
+            self.fs.invalidate_cache(full)
+            return self.fs.cat_file(full)
+        except Exception:  # noqa: BLE001 - only used to recognise our own earlier write
+            return None
+
     def symlink(self, rel: str, target: str) -> None:
         """POSIX only: point ``rel`` at ``target`` (relative), replaced atomically."""
         if not self.is_posix:
@@ -213,6 +287,9 @@ class Storage:
     # ---- reads --------------------------------------------------------------------------
 
     def read_bytes(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self.retrying(f"read {rel}", lambda: self._read_once(rel, start, end))
+
+    def _read_once(self, rel: str, start: int | None, end: int | None) -> bytes:
         full = self.full_path(rel)
         if self.is_posix:
             with open(full, "rb") as f:
@@ -233,15 +310,23 @@ class Storage:
         full = self.full_path(rel)
         if self.is_posix:
             return os.path.lexists(full)
-        self.fs.invalidate_cache(full)
-        return self.fs.exists(full)
+
+        def once() -> bool:
+            self.fs.invalidate_cache(full)
+            return self.fs.exists(full)
+
+        return self.retrying(f"exists {rel}", once)
 
     def size(self, rel: str) -> int:
         full = self.full_path(rel)
         if self.is_posix:
             return os.stat(full).st_size
-        self.fs.invalidate_cache(full)
-        return int(self.fs.info(full)["size"])
+
+        def once() -> int:
+            self.fs.invalidate_cache(full)
+            return int(self.fs.info(full)["size"])
+
+        return self.retrying(f"stat {rel}", once)
 
     def list_dir(self, rel: str = "") -> list[str]:
         """Names of the immediate children of ``rel``; empty if it does not exist."""
@@ -251,22 +336,30 @@ class Storage:
                 return sorted(os.listdir(full))
             except FileNotFoundError:
                 return []
-        self.fs.invalidate_cache(full)
-        try:
-            entries = self.fs.ls(full, detail=False)
-        except FileNotFoundError:
-            return []
-        return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+
+        def once() -> list[str]:
+            self.fs.invalidate_cache(full)
+            try:
+                entries = self.fs.ls(full, detail=False)
+            except FileNotFoundError:
+                return []
+            return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+
+        return self.retrying(f"list {rel or '/'}", once)
 
     def _find(self, rel: str) -> dict[str, dict[str, Any]]:
         """fsspec ``find`` below ``rel`` with details (fresh on object stores); {} if absent."""
         full = self.full_path(rel)
-        if not self.is_posix:
-            self.fs.invalidate_cache(full)
-        try:
-            return self.fs.find(full, detail=True)
-        except FileNotFoundError:
-            return {}
+
+        def once() -> dict[str, dict[str, Any]]:
+            if not self.is_posix:
+                self.fs.invalidate_cache(full)
+            try:
+                return self.fs.find(full, detail=True)
+            except FileNotFoundError:
+                return {}
+
+        return self.retrying(f"list {rel or '/'}", once)
 
     def list_files(self, rel: str = "") -> dict[str, int]:
         """Every file below ``rel`` (recursive) as ``{path relative to root: size}``."""
@@ -299,10 +392,14 @@ class Storage:
         if self.is_posix:
             _unlink_quietly(full)
             return
-        try:
-            self.fs.rm_file(full)
-        except FileNotFoundError:
-            pass
+
+        def once() -> None:
+            try:
+                self.fs.rm_file(full)
+            except FileNotFoundError:
+                pass
+
+        self.retrying(f"delete {rel}", once)
 
     def delete_tree(self, rel: str) -> None:
         """Delete ``rel`` and everything below it; missing is not an error."""
@@ -314,11 +411,41 @@ class Storage:
             elif os.path.exists(full):
                 shutil.rmtree(full)
             return
-        self.fs.invalidate_cache(full)
-        try:
-            self.fs.rm(full, recursive=True)
-        except FileNotFoundError:
-            pass
+
+        def once() -> None:
+            self.fs.invalidate_cache(full)
+            try:
+                self.fs.rm(full, recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self.retrying(f"delete {rel}", once)
+
+
+_PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+                     errno.ENOENT, errno.EEXIST, errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG}
+_RETRYABLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+                    "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
+                    "RequestLimitExceeded", "TooManyRequests"}
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether retrying the operation that raised ``e`` may succeed."""
+    from raycheckpoint.errors import RayCheckpointError
+
+    if isinstance(e, (RayCheckpointError, FileNotFoundError, FileExistsError, PermissionError,
+                      IsADirectoryError, NotADirectoryError, ValueError, TypeError, KeyError)):
+        return False  # a fault injected on purpose, a real answer, or a bug: not transient
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        code = str(response.get("Error", {}).get("Code", ""))
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return code in _RETRYABLE_CODES or int(status) >= 500 or int(status) == 429
+    if isinstance(e, OSError):
+        return e.errno not in _PERMANENT_ERRNOS
+    name = type(e).__name__
+    return any(word in name for word in ("Connection", "Timeout", "Endpoint", "ClientPayload",
+                                         "ServerDisconnected", "IncompleteRead", "ProtocolError"))
 
 
 def _publish_posix(full: str, data: bytes, publish) -> None:

@@ -102,3 +102,15 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line("")
         for line in block.splitlines():
             terminalreporter.write_line(line)
+
+
+LONG = ("cluster", "soak", "crash", "faults")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every cluster, soak, crash-matrix or heavy-fault test is also ``long`` (selected by
+    ``-m long``, left out of the default run) -- before ``-m`` selects."""
+    for item in items:
+        if any(item.get_closest_marker(m) for m in LONG):
+            item.add_marker(pytest.mark.long)

@@ -1,0 +1,127 @@
+"""A fault-injecting HTTP proxy between s3fs and the S3 server, on 127.0.0.1.
+
+Every request is forwarded to the upstream server unless the proxy decides (seeded
+random, per request) to
+
+* answer ``503 SlowDown`` (throttling) with probability ``fail``,
+* drop the connection without an answer with probability ``drop``,
+* answer only after ``delay_s`` with probability ``slow``.
+
+``counts`` tells what it did.  Bounded: it serves only while the test runs and listens
+on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import http.client
+import random
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+             b"<Message>Please reduce your request rate.</Message></Error>")
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+              "proxy-authorization", "proxy-authenticate"}
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, *, seed: int = 0) -> None:
+        split = urlsplit(upstream)
+        self.upstream = (split.hostname, split.port)
+        self.fail = self.drop = self.slow = 0.0
+        self.delay_s = 0.2
+        self.counts: Counter[str] = Counter()
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = b""
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            return out
+                        out += self.rfile.read(size)
+                        self.rfile.readline()
+                length = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(length) if length else b""
+
+            def _handle(self) -> None:
+                body = self._body()
+                action = proxy._decide()
+                if action == "drop":
+                    self.close_connection = True
+                    self.connection.close()
+                    return
+                if action == "fail":
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(SLOW_DOWN)))
+                    self.end_headers()
+                    self.wfile.write(SLOW_DOWN)
+                    return
+                if action == "slow":
+                    time.sleep(proxy.delay_s)
+                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+                if body or self.command in ("PUT", "POST"):
+                    headers["Content-Length"] = str(len(body))
+                conn.request(self.command, self.path, body=body or None, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status, resp.reason)
+                head = self.command == "HEAD"  # keeps the upstream Content-Length (object size)
+                for k, v in resp.getheaders():
+                    if k.lower() not in HOP_BY_HOP and (head or k.lower() != "content-length"):
+                        self.send_header(k, v)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _decide(self) -> str:
+        with self._lock:
+            r = self._rng.random()
+            if r < self.fail:
+                action = "fail"
+            elif r < self.fail + self.drop:
+                action = "drop"
+            elif r < self.fail + self.drop + self.slow:
+                action = "slow"
+            else:
+                action = "forward"
+            self.counts[action] += 1
+            return action
+
+    def set(self, *, fail: float = 0.0, drop: float = 0.0, slow: float = 0.0) -> None:
+        with self._lock:
+            self.fail, self.drop, self.slow = fail, drop, slow
+            self.counts.clear()
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,172 @@
+"""Storage faults: transient S3 errors are retried and saves still commit; a persistent
+failure or a full disk aborts the save cleanly, once, with its cause; earlier
+checkpoints stay intact and training goes on.
+
+Transient faults come from :class:`tests.s3proxy.FaultProxy`, a proxy between s3fs and
+the S3 server on 127.0.0.1 that answers 503 SlowDown, drops connections or answers late
+for a set fraction of requests.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import time
+
+import pytest
+
+from raycheckpoint import CheckpointSaveError, Storage
+from raycheckpoint.admin import verify
+from raycheckpoint.storage import is_transient
+from tests.helpers import REPORTS, manager, train
+from tests.s3proxy import FaultProxy
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_what_counts_as_transient():
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    def client_error(code: str, status: int) -> ClientError:
+        return ClientError({"Error": {"Code": code},
+                            "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    assert is_transient(client_error("SlowDown", 503))
+    assert is_transient(client_error("InternalError", 500))
+    assert not is_transient(client_error("AccessDenied", 403))
+    assert not is_transient(client_error("NoSuchBucket", 404))
+    assert is_transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert is_transient(OSError(errno.EIO, "I/O error"))
+    assert is_transient(ConnectionResetError())
+    assert not is_transient(OSError(errno.ENOSPC, "No space left on device"))
+    assert not is_transient(FileNotFoundError("x"))
+    assert not is_transient(PermissionError("x"))
+
+
+@pytest.fixture
+def proxy(s3_server):
+    with FaultProxy(s3_server["endpoint"], seed=1) as p:
+        yield p
+
+
+def _options(s3_server, endpoint: str, **extra) -> dict:
+    return {**s3_server["options"], "endpoint_url": endpoint, **extra}
+
+
+@pytest.mark.s3
+def test_storage_operations_survive_a_lossy_s3(proxy, s3_server, s3_root):
+    uri, _ = s3_root
+    st = Storage(uri, _options(s3_server, proxy.endpoint), retries=8)
+    proxy.set(fail=0.3, drop=0.1, slow=0.05)
+    for i in range(10):
+        entry = st.write_bytes(f"d/f{i}", os.urandom(1000 + i))
+        assert st.read_bytes(f"d/f{i}") and st.size(f"d/f{i}") == entry.size
+    st.create_marker("d/MARKER", b"once")
+    with pytest.raises(FileExistsError):
+        st.create_marker("d/MARKER", b"twice")
+    st.write_pointer("d/PTR", b"x")
+    assert len(st.list_files("d")) == 12
+    st.delete_tree("d")
+    assert st.list_files("d") == {}
+    assert proxy.counts["fail"] > 0 and proxy.counts["drop"] > 0
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("rates", [
+    {"fail": 0.2, "drop": 0.05, "slow": 0.05},
+    # about 45 s here: with the long tests (.ci/run's second run)
+    pytest.param({"fail": 0.4, "drop": 0.1, "slow": 0.0}, marks=[pytest.mark.faults, pytest.mark.slow]),
+])
+def test_saves_commit_through_transient_s3_faults(rates, proxy, s3_server, s3_root, group2):
+    uri, direct = s3_root
+    m = manager(uri, {"actor": group2}, _options(s3_server, proxy.endpoint),
+                config={"storage_retries": 8, "lease": False})
+    try:
+        proxy.set(**rates)
+        t0 = time.perf_counter()
+        for step in (1, 2, 3):
+            train(group2, [step])
+            m.update(step=step)
+            m.save_checkpoint().wait(240)
+        elapsed = time.perf_counter() - t0
+        counts = dict(proxy.counts)
+        proxy.set()
+    finally:
+        m.close(120)
+    doc = verify(uri, direct)  # read back straight from the server
+    assert doc["ok"] and [c["name"] for c in doc["checkpoints"]] == [
+        "step_00000001", "step_00000002", "step_00000003"]
+    injected = counts.get("fail", 0) + counts.get("drop", 0)
+    assert injected > 0
+    REPORTS.append(f"S3 faults survived ({rates}): 3 saves committed in {elapsed:.1f}s through "
+                   f"{sum(counts.values())} requests, {counts.get('fail', 0)} answered 503 SlowDown, "
+                   f"{counts.get('drop', 0)} dropped, {counts.get('slow', 0)} delayed")
+
+
+@pytest.mark.s3
+def test_a_persistent_s3_failure_aborts_the_save_once_with_its_cause(proxy, s3_server, s3_root,
+                                                                    group2):
+    uri, direct = s3_root
+    fast_fail = {"config_kwargs": {"retries": {"max_attempts": 1}}}
+    m = manager(uri, {"actor": group2}, _options(s3_server, proxy.endpoint, **fast_fail),
+                config={"storage_retries": 2, "lease": False})
+    try:
+        train(group2, [1])
+        m.update(step=1)
+        m.save_checkpoint().wait(120)
+        proxy.set(fail=1.0)
+        train(group2, [2])
+        m.update(step=2)
+        with pytest.raises(CheckpointSaveError) as e:
+            m.save_checkpoint().wait(240)
+        assert "SlowDown" in str(e.value) or "503" in str(e.value) or "reduce your request rate" in str(
+            e.value), str(e.value)
+        proxy.set()
+        train(group2, [3])  # training goes on
+        m.update(step=3)
+        m.save_checkpoint().wait(120)
+        stats = m.checkpoint_stats
+    finally:
+        m.close(120)
+    assert [s["ok"] for s in stats] == [True, False, True]  # the failure reported once
+    doc = verify(uri, direct)
+    assert doc["ok"] and [c["name"] for c in doc["checkpoints"]] == ["step_00000001",
+                                                                      "step_00000003"]
+
+
+def test_a_full_disk_aborts_the_save_at_once_and_keeps_the_earlier_one(group2, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        root = str(disk / "ckpts")
+        m = manager(root, {"actor": group2})
+        try:
+            train(group2, [1])
+            m.update(step=1)
+            m.save_checkpoint().wait(120)
+            free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+            with open(disk / "filler", "wb") as f:  # leave less room than a checkpoint needs
+                f.write(b"\0" * max(0, free - 200_000))
+            train(group2, [2])
+            m.update(step=2)
+            t0 = time.perf_counter()
+            with pytest.raises(CheckpointSaveError, match="No space left on device"):
+                m.save_checkpoint().wait(120)
+            assert time.perf_counter() - t0 < 20  # not retried: a full disk is not transient
+            os.unlink(disk / "filler")
+            train(group2, [3])
+            m.update(step=3)
+            m.save_checkpoint().wait(120)  # room again: saving works again
+        finally:
+            m.close(60)
+        doc = verify(root)
+        assert doc["ok"] and [c["name"] for c in doc["checkpoints"]] == ["step_00000001",
+                                                                          "step_00000003"]
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
