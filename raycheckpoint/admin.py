@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raycheckpoint import catalog
+from raycheckpoint.crypto import EncryptionKeyError
 from raycheckpoint.errors import CheckpointNotFoundError, LeaseHeldError, RayCheckpointError
 from raycheckpoint.format import (
     CATALOG,
@@ -38,8 +39,15 @@ from raycheckpoint.resume import (
 from raycheckpoint.storage import Storage
 
 
-def open_root(uri: str, options: dict[str, Any] | None = None) -> Storage:
-    """The Storage of an existing root (never creates one)."""
+def open_root(uri: str, options: dict[str, Any] | None = None, *, key: str | None = None
+              ) -> Storage:
+    """The Storage of an existing root (never creates one); ``key``: an encryption key
+    reference (``env:NAME`` / ``file:PATH``) to read encrypted checkpoints with."""
+    cipher = None
+    if key is not None:
+        from raycheckpoint.crypto import FileCipher, load_key
+
+        cipher = FileCipher(load_key(key))
     if "://" not in uri or uri.startswith("file://"):
         path = uri.removeprefix("file://")
         try:
@@ -52,8 +60,8 @@ def open_root(uri: str, options: dict[str, Any] | None = None) -> Storage:
             raise CheckpointNotFoundError(f"{uri}: not a directory", ref=uri)
         if not os.access(path, os.R_OK | os.X_OK):
             raise PermissionError(f"{uri}: permission denied")
-        return Storage(uri, dict(options or {}), create=False)
-    storage = Storage(uri, dict(options or {}), create=False)
+        return Storage(uri, dict(options or {}), create=False, cipher=cipher)
+    storage = Storage(uri, dict(options or {}), create=False, cipher=cipher)
     if not storage.fs.exists(storage.root):
         raise CheckpointNotFoundError(f"{uri}: nothing stored there (no such bucket or prefix)",
                                       ref=uri)
@@ -61,15 +69,16 @@ def open_root(uri: str, options: dict[str, Any] | None = None) -> Storage:
 
 
 def locate_ref(ref: str, options: dict[str, Any] | None = None, *, step: int | None = None,
-               tag: str | None = None) -> tuple[Storage, list[str]]:
+               tag: str | None = None, key: str | None = None) -> tuple[Storage, list[str]]:
     """(root storage, candidate checkpoint names best first) for a CLI reference."""
     split = split_path_ref(ref)
     if split is not None:
         if step is not None or tag is not None:
             raise ValueError(f"{ref} names a checkpoint directory; --step/--tag take a root")
         root, name = split
-        return open_root(root, options), resolve(open_root(root, options), name)
-    storage = open_root(ref, options)
+        storage = open_root(root, options, key=key)
+        return storage, resolve(storage, name)
+    storage = open_root(ref, options, key=key)
     if step is not None and tag is not None:
         raise ValueError("give --step or --tag, not both")
     target: str | int = step if step is not None else (tag if tag is not None else "latest")
@@ -77,8 +86,8 @@ def locate_ref(ref: str, options: dict[str, Any] | None = None, *, step: int | N
 
 
 def open_ref(ref: str, options: dict[str, Any] | None = None, *, step: int | None = None,
-             tag: str | None = None) -> VerifiedCheckpoint:
-    storage, names = locate_ref(ref, options, step=step, tag=tag)
+             tag: str | None = None, key: str | None = None) -> VerifiedCheckpoint:
+    storage, names = locate_ref(ref, options, step=step, tag=tag, key=key)
     return open_verified(storage, names[0])
 
 
@@ -140,16 +149,20 @@ def inspect_checkpoint(ck: VerifiedCheckpoint, *, tensors: bool = True) -> dict[
             else layout.dcp_dir.split("/")[0],
             "assets": sorted(reader.assets())}
         if tensors and reader.has_tensors:
-            entry["tensors"] = [{"name": t.name, "shape": list(t.shape),
-                                 "dtype": str(t.dtype).removeprefix("torch."), "chunks": t.chunks}
-                                for t in reader.tensors()]
-            entry["other_items"] = reader.other_items()
+            try:
+                entry["tensors"] = [{"name": t.name, "shape": list(t.shape),
+                                     "dtype": str(t.dtype).removeprefix("torch."),
+                                     "chunks": t.chunks} for t in reader.tensors()]
+                entry["other_items"] = reader.other_items()
+            except EncryptionKeyError as e:
+                entry["tensors"], entry["note"] = [], f"tensors not listed: {e}"
         roles[role] = entry
     ts = dict(ck.trainer_state)
     if "rng" in ts:
         ts["rng"] = "<saved: " + ", ".join(sorted(ts["rng"])) + ">"
     return {"name": ck.name, "root": ck.storage.url(), "step": ck.step, "kind": ck.kind,
             "tag": ck.marker.tag, "committed_at": ck.marker.committed_at,
+            "encryption": ck.manifest.encryption,
             "bytes": ck.marker.bytes, "files": len(ck.manifest.files), "version": ck.version,
             "roles": roles, "trainer_state": ts}
 

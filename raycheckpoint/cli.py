@@ -125,6 +125,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+def _add_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--encryption-key", metavar="env:NAME|file:PATH",
+                   help="key of an encrypted checkpoint (verify needs none)")
+
+
 def _add_ref(p: argparse.ArgumentParser, what: str = "REF") -> None:
     p.add_argument("ref", metavar=what,
                    help="checkpoint directory, or a root (its LATEST, or --step/--tag)")
@@ -149,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ref(p)
     p.add_argument("--all-tensors", action="store_true",
                    help="list optimizer tensors too (default: model tensors only)")
+    _add_key(p)
     _add_common(p)
 
     p = sub.add_parser("verify", help="full verification (presence, sizes, sha256); exit 0/1")
@@ -178,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", dest="fmt", choices=("hf", "state_dict"), default="hf")
     p.add_argument("--role", default="actor")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    _add_key(p)
     _add_common(p)
 
     p = sub.add_parser("diff", help="what would block a strict resume of REF by the job in CONFIG")
@@ -245,7 +252,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     from raycheckpoint import admin
 
-    ck = admin.open_ref(args.ref, storage_options(args), step=args.step, tag=args.tag)
+    ck = admin.open_ref(args.ref, storage_options(args), step=args.step, tag=args.tag,
+                        key=args.encryption_key)
     doc = admin.inspect_checkpoint(ck)
     if args.json:
         _emit_json(doc)
@@ -257,7 +265,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                   + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc["committed_at"])))
     v = doc["version"]
     console.print(f"format {v.get('format_version')} (readable from {v.get('compatible_since')}), "
-                  f"written by raycheckpoint {v.get('library_version')}")
+                  f"written by raycheckpoint {v.get('library_version')}"
+                  + (f"; encrypted {doc['encryption']['algorithm']}, key id "
+                     f"{doc['encryption']['key_id']}" if doc.get("encryption") else ""))
     roles = Table(title="roles", title_justify="left")
     for col in ("role", "world size", "files", "size", "stored in", "assets"):
         roles.add_column(col)
@@ -345,7 +355,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from raycheckpoint import admin
     from raycheckpoint.export import export
 
-    ck = admin.open_ref(args.ref, storage_options(args), step=args.step, tag=args.tag)
+    ck = admin.open_ref(args.ref, storage_options(args), step=args.step, tag=args.tag,
+                        key=args.encryption_key)
     with progress_bar(f"exporting {ck.name}/{args.role}",
                       not args.json and sys.stderr.isatty()) as (total, advance):
         doc = export(ck, args.out, fmt=args.fmt, role=args.role, force=args.force,

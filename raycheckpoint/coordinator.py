@@ -322,7 +322,8 @@ class CheckpointCoordinator:
                 manifest = self._manifest(marker.name)
                 layout = None if manifest is None else manifest.roles.get(role)
                 if (layout is not None and layout.identity == identity
-                        and layout.world_size == world_sizes.get(role)):
+                        and layout.world_size == world_sizes.get(role)
+                        and _key_id(manifest.encryption) == _key_id(self._encryption())):
                     reused[role] = marker.name
                     break
         return reused
@@ -451,7 +452,9 @@ class CheckpointCoordinator:
         for entry in (s.write_bytes(f"{name}/{TRAINER_STATE}", json_bytes(trainer_state)),
                       s.write_bytes(f"{name}/{VERSION}", json_bytes(version_info()))):
             files[entry.path] = entry
-        manifest = Manifest(name=name, step=save.step, kind=save.kind, files=files, roles=roles)
+        cipher = self.storage.cipher
+        manifest = Manifest(name=name, step=save.step, kind=save.kind, files=files, roles=roles,
+                            encryption=None if cipher is None else cipher.describe())
         faults.check("coordinator.manifest", path=name)
         m_entry = s.write_bytes(f"{name}/{MANIFEST}", manifest.to_bytes())
         marker = Marker(name=name, step=save.step, kind=save.kind, manifest_size=m_entry.size,
@@ -481,6 +484,15 @@ class CheckpointCoordinator:
                 "persist_s": max(save.persist_s.values(), default=0.0),
                 "total_s": committed_at - save.started}
 
+    def _encryption(self) -> dict[str, Any] | None:
+        cipher = self.storage.cipher
+        return None if cipher is None else cipher.describe()
+
     def _write_tag(self, tag: str, name: str) -> None:
         self.storage.write_pointer(f"{TAGS_DIR}/{tag}", (name + "\n").encode())
         self._tags[tag] = name
+
+
+def _key_id(encryption: dict[str, Any] | None) -> str | None:
+    """Frozen bytes are reused only under the same key (or both unencrypted)."""
+    return None if not encryption else encryption.get("key_id")

@@ -96,7 +96,7 @@ class HashingStorageWriter(StorageWriter):
 
         def write_file() -> tuple[list[WriteResult], FileEntry]:
             results: list[WriteResult] = []
-            w = self.storage.open_write(rel)
+            w = self.storage.open_write(rel, encrypt=True)
             try:
                 with w:
                     for item in items:
@@ -131,7 +131,8 @@ class HashingStorageWriter(StorageWriter):
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
         self.written.append(
-            self.storage.write_bytes(f"{self.dcp_dir}/{DCP_METADATA}", pickle.dumps(metadata)))
+            self.storage.write_bytes(f"{self.dcp_dir}/{DCP_METADATA}", pickle.dumps(metadata),
+                                     encrypt=True))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.storage.url(self.dcp_dir), save_id=self.save_id)
@@ -160,7 +161,7 @@ class VerifyingStorageReader(StorageReader):
         except FileNotFoundError as e:
             raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
         verify_bytes(rel, data, self.expected.get(rel), check_sha=self.check_sha)
-        return data
+        return self.storage.decrypted(rel, data)  # authenticated decryption when encrypted
 
     def reset(self, checkpoint_id=None) -> None:
         self.storage_data = {}

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from raycheckpoint.crypto import check_key
 from raycheckpoint.errors import CheckpointNotFoundError, IntegrityError
 from raycheckpoint.format import ASSETS_DIR, DCP_METADATA
 from raycheckpoint.integrity import verify_bytes, verify_file
@@ -85,6 +86,7 @@ class RoleReader:
         prefix = self.dcp_dir + "/"
         self.files = {p: e for p, e in ck.manifest.files.items() if p.startswith(prefix)}
         self._metadata: Metadata | None = None
+        self._encrypted: dict[str, bool] = {}
 
     @property
     def has_tensors(self) -> bool:
@@ -109,6 +111,7 @@ class RoleReader:
             except FileNotFoundError as e:
                 raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
             verify_bytes(rel, data, self.files[rel], check_sha=True)
+            data = self.storage.decrypted(rel, data)
             self._metadata = pickle.loads(data)  # noqa: S301 - sha256 verified against the manifest
         return self._metadata
 
@@ -144,7 +147,7 @@ class RoleReader:
             if getattr(where, "transform_descriptors", None):
                 raise IntegrityError(f"{rel}: uses DCP stream transforms, which this reader does "
                                      "not support", path=rel)
-            data = self.storage.read_bytes(rel, where.offset, where.offset + where.length)
+            data = self._read_range(rel, where.offset, where.offset + where.length)
             piece = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             view = full
             for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
@@ -154,6 +157,19 @@ class RoleReader:
                                      f"metadata says {tuple(view.shape)}", path=rel)
             view.copy_(piece)
         return full
+
+    def _read_range(self, rel: str, start: int, end: int) -> bytes:
+        """Plaintext bytes [start, end) of a (verified) data file, decrypting if needed."""
+        from raycheckpoint.crypto import MAGIC
+
+        if rel not in self._encrypted:
+            self._encrypted[rel] = self.storage.read_bytes(rel, 0, len(MAGIC)) == MAGIC
+        if not self._encrypted[rel]:
+            return self.storage.read_bytes(rel, start, end)
+        if self.storage.cipher is None:
+            self.storage.decrypted(rel, MAGIC)  # raises the error naming what to set
+        return self.storage.cipher.decrypt_range(
+            rel, lambda a, b: self.storage.read_bytes(rel, a, b), self.files[rel].size, start, end)
 
     def iter_model(self, progress: Callable[[int], None] | None = None
                    ) -> Iterator[tuple[str, TensorInfo, torch.Tensor]]:
@@ -217,6 +233,7 @@ def export(ck: VerifiedCheckpoint, out: str, *, fmt: str, role: str = "actor", f
     out = os.path.abspath(out)
     if os.path.exists(out) and not force:
         raise FileExistsError(f"{out} exists; pass --force to replace it")
+    check_key(ck.manifest.encryption, ck.storage.cipher, ck.name)
     reader = RoleReader(ck, role)
     assets = reader.assets()
     if fmt == "hf" and "config.json" not in assets:

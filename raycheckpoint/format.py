@@ -125,6 +125,8 @@ class Manifest:
     roles: dict[str, RoleLayout]
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
+    # None, or {"algorithm", "key_id", "chunk_bytes"}: the data files are encrypted
+    encryption: dict[str, Any] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -136,6 +138,7 @@ class Manifest:
             "created_at": self.created_at, "format_version": self.format_version,
             "files": [[e.path, e.size, e.sha256] for e in self.files.values()],
             "roles": {r: asdict(layout) for r, layout in self.roles.items()},
+            **({"encryption": self.encryption} if self.encryption else {}),
         })
 
     @classmethod
@@ -149,6 +152,7 @@ class Manifest:
                                  ranks={int(k): list(f) for k, f in v["ranks"].items()},
                                  identity=v.get("identity"))
                    for r, v in d["roles"].items()},
+            encryption=d.get("encryption"),
         )
 
 

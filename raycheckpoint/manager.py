@@ -32,6 +32,7 @@ from ray.exceptions import RayTaskError
 from raycheckpoint import catalog
 from raycheckpoint.config import CheckpointConfig
 from raycheckpoint.coordinator import CheckpointCoordinator
+from raycheckpoint.crypto import FileCipher, check_key, load_key
 from raycheckpoint.errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
@@ -157,13 +158,12 @@ class CheckpointManager:
                  dataloader: Any = None, fingerprint: dict[str, Any] | None = None,
                  frozen_roles: tuple[str, ...] | list[str] = (),
                  prepare_buffers: bool = True) -> None:
-        if config.encryption_key is not None:
-            raise NotImplementedError(
-                "checkpoint encryption (encryption_key) is not available in this release; "
-                "unset encryption_key to save unencrypted checkpoints")
         self.config = config
+        # the key is read here, from the environment or a file; only its id is ever stored
+        self.cipher = (FileCipher(load_key(config.encryption_key))
+                       if config.encryption_key is not None else None)
         self.spec = StorageSpec(config.save_dir, dict(config.storage_options),
-                                retries=config.storage_retries)
+                                retries=config.storage_retries, cipher=self.cipher)
         self.storage = self.spec.open()
         if self.storage.is_process_local:
             raise ValueError(f"{config.save_dir!r} is process-local (memory://): Ray workers run "
@@ -414,6 +414,7 @@ class CheckpointManager:
 
     def _load(self, storage: Storage, name: str, *, strict: bool, weights_only: bool) -> LoadResult:
         ck = open_verified(storage, name)
+        check_key(ck.manifest.encryption, self.cipher, name)
         if not weights_only and ck.kind == "light":
             if strict:
                 raise LightCheckpointError(

@@ -94,7 +94,7 @@ def locate(storage: Storage, ref: str | int,
     root, name = split
     if root.rstrip("/") in (storage.url().rstrip("/"), storage.uri.rstrip("/")):
         return storage, name
-    return Storage(root, dict(options or {})), name
+    return Storage(root, dict(options or {}), retries=storage.retries, cipher=storage.cipher), name
 
 
 def resolve(storage: Storage, ref: str | int) -> list[str]:

@@ -222,7 +222,7 @@ class ShardSaver:
                 files = list(writer.written)
             if extra is not None:
                 files.append(self.storage.write_bytes(
-                    f"{step_dir}/{rng_file(self.role, self.rank)}", pack(extra)))
+                    f"{step_dir}/{rng_file(self.role, self.rank)}", pack(extra), encrypt=True))
             for asset, data in sorted(assets.items()):
                 files.append(self.storage.write_bytes(
                     f"{step_dir}/{asset_file(self.role, asset)}", data))

@@ -71,12 +71,14 @@ class StorageSpec:
     uri: str
     options: dict[str, Any] = field(default_factory=dict)
     retries: int = 5
+    cipher: Any = field(default=None, repr=False)  # crypto.FileCipher: encrypts data files
 
     def open(self) -> Storage:
-        return Storage(self.uri, self.options, retries=self.retries)
+        return Storage(self.uri, self.options, retries=self.retries, cipher=self.cipher)
 
     def child(self, name: str) -> StorageSpec:
-        return StorageSpec(self.uri.rstrip("/") + "/" + name, self.options, self.retries)
+        return StorageSpec(self.uri.rstrip("/") + "/" + name, self.options, self.retries,
+                           self.cipher)
 
 
 class HashingWriter:
@@ -86,31 +88,43 @@ class HashingWriter:
     POSIX the file is fsynced before ``close`` returns.
     """
 
-    def __init__(self, storage: Storage, rel: str) -> None:
+    def __init__(self, storage: Storage, rel: str, *, encrypt: bool = False) -> None:
         self._storage = storage
         self.rel = rel
         self._hash = hashlib.sha256()
-        self._pos = 0
+        self._pos = 0  # plaintext bytes written (what tell() reports to DCP)
+        self._stored = 0
         self.entry: FileEntry | None = None
         self.error: Exception | None = None
+        self._encryptor = storage.cipher.encryptor(rel) if encrypt and storage.cipher else None
         full = storage.full_path(rel)
         if storage.is_posix:
             os.makedirs(os.path.dirname(full), exist_ok=True)
             self._f = open(full, "wb")  # noqa: SIM115 - closed in close()
         else:
             self._f = storage.fs.open(full, "wb")
+        if self._encryptor is not None:
+            self._store(self._encryptor.header)
 
-    def write(self, data) -> int:
-        mv = memoryview(data).cast("B")
-        faults.check("storage.write", path=self.rel)
+    def _store(self, data) -> None:
         try:
-            self._f.write(mv)
+            self._f.write(data)
         except Exception as e:
             # torch's zip writer replaces a failing write with "unexpected pos": keep the
             # real cause (a full disk, a lost connection) for whoever reports the failure
             self.error = self.error or e
             raise
-        self._hash.update(mv)
+        self._hash.update(data)
+        self._stored += len(data)
+
+    def write(self, data) -> int:
+        mv = memoryview(data).cast("B")
+        faults.check("storage.write", path=self.rel)
+        if self._encryptor is None:
+            self._store(mv)
+        else:
+            for sealed in self._encryptor.update(mv):
+                self._store(sealed)
         self._pos += mv.nbytes
         return mv.nbytes
 
@@ -126,11 +140,13 @@ class HashingWriter:
 
     def close(self) -> FileEntry:
         if self.entry is None:
+            if self._encryptor is not None:
+                self._store(self._encryptor.finish())
             if self._storage.is_posix:
                 self._f.flush()
                 os.fsync(self._f.fileno())
             self._f.close()
-            self.entry = FileEntry(self.rel, self._pos, self._hash.hexdigest())
+            self.entry = FileEntry(self.rel, self._stored, self._hash.hexdigest())
         return self.entry
 
     def abort(self) -> None:
@@ -157,9 +173,10 @@ class Storage:
     """Byte-level access to one checkpoint root over fsspec."""
 
     def __init__(self, uri: str, options: dict[str, Any] | None = None, *,
-                 create: bool = True, retries: int = 5) -> None:
+                 create: bool = True, retries: int = 5, cipher: Any = None) -> None:
         self.uri = uri
         self.retries = retries
+        self.cipher = cipher
         self.retried = 0  # transient failures retried so far (for reports and tests)
         self.options = dict(options or {})
         self.fs, root = fsspec.core.url_to_fs(uri, **self.options)
@@ -171,7 +188,7 @@ class Storage:
 
     @property
     def spec(self) -> StorageSpec:
-        return StorageSpec(self.uri, self.options, self.retries)
+        return StorageSpec(self.uri, self.options, self.retries, self.cipher)
 
     def retrying(self, what: str, fn: Callable[[], T]) -> T:
         """``fn()``, retried with exponential backoff and jitter while it fails transiently.
@@ -211,12 +228,13 @@ class Storage:
 
     # ---- writes -------------------------------------------------------------------------
 
-    def open_write(self, rel: str) -> HashingWriter:
-        return HashingWriter(self, rel)
+    def open_write(self, rel: str, *, encrypt: bool = False) -> HashingWriter:
+        """A hashing writer; ``encrypt``: through the storage's cipher, when it has one."""
+        return HashingWriter(self, rel, encrypt=encrypt)
 
-    def write_bytes(self, rel: str, data: bytes) -> FileEntry:
+    def write_bytes(self, rel: str, data: bytes, *, encrypt: bool = False) -> FileEntry:
         def once() -> FileEntry:
-            with self.open_write(rel) as w:
+            with self.open_write(rel, encrypt=encrypt) as w:
                 w.write(data)
             return w.close()
 
@@ -299,6 +317,17 @@ class Storage:
         if start is None and end is None:
             return self.fs.cat_file(full)
         return self.fs.cat_file(full, start=start, end=end)
+
+    def decrypted(self, rel: str, data: bytes) -> bytes:
+        """``data`` (verified stored bytes of ``rel``) as plaintext: decrypted if encrypted."""
+        from raycheckpoint.crypto import MAGIC, EncryptionKeyError
+
+        if not data.startswith(MAGIC):
+            return data
+        if self.cipher is None:
+            raise EncryptionKeyError(f"{rel} is encrypted: set checkpoint.encryption_key (or "
+                                     "--encryption-key) to the key it was written with")
+        return self.cipher.decrypt(rel, data)
 
     def open_read(self, rel: str):
         full = self.full_path(rel)

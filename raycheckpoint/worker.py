@@ -174,7 +174,7 @@ class CheckpointableWorker:
         except FileNotFoundError as e:
             raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
         verify_bytes(rel, data, expected.get(rel), check_sha=request["check_sha"])
-        extra = unpack(data)
+        extra = unpack(saver.storage.decrypted(rel, data))
         self.ckpt_load_extra_state(extra.get("state") or {})
         skipped = []
         if request["saved_world_size"] == self.ckpt_world_size:
