@@ -12,11 +12,12 @@ the same root.  Then, for every point and storage:
 * ``auto`` resumes, and training to step 6 ends bit for bit where a run without a crash
   ends.
 
-The table (point x storage -> outcome) is printed at the end of the pytest run.  The
+The driver case runs a separate driver process (tests/crash_driver.py) on the same Ray
+cluster and SIGKILLs it while its workers are writing step 5; its workers and
+coordinator die with it.  The table (point x storage -> outcome) is printed at the end
+of the pytest run.  The
 reference run never had a checkpoint manager, so "exact" also shows that checkpointing
 itself does not change training.
-The driver killed mid-save is covered by tests/test_rl_job.py (the real driver process,
-SIGKILLed while a save persists, through ``ray job submit``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ POINTS = {
     "coordinator: between COMMITTED and LATEST": ("coordinator", "coordinator.after_marker"),
     "coordinator: during catalog write": ("coordinator", "storage.pointer@catalog.json"),
     "coordinator: during retention deletes": ("coordinator", "coordinator.retention_delete"),
+    "driver: killed while the save persists": ("driver", ""),
 }
 RESULTS: dict[tuple[str, str], str] = {}
 CONFIG = {"keep_last_n": 3, "commit_timeout_s": 20}
@@ -85,6 +87,30 @@ def print_table():
 def test_crash_at_point_then_restart(point, backend, reference, local_root, request):
     root, options = (local_root, {}) if backend == "local" else request.getfixturevalue("s3_root")
     who, fault = POINTS[point]
+    if who == "driver":
+        _run_crashing_driver(root, options)
+    else:
+        _crash_in_this_driver(root, options, who, fault)
+    _restart_and_check(point, backend, root, options, reference)
+
+
+def _run_crashing_driver(root: str, options: dict) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    gcs = ray.get_runtime_context().gcs_address
+    proc = subprocess.run([sys.executable, "-m", "tests.crash_driver", gcs, root, json.dumps(options),
+                           json.dumps(CONFIG)], capture_output=True, text=True, timeout=240,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == -9, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "killing the driver" in proc.stdout
+    st = Storage(root, options)
+    assert not st.exists("step_00000005/COMMITTED")
+
+
+def _crash_in_this_driver(root: str, options: dict, who: str, fault: str) -> None:
     group = _group()
     m = manager(root, {"actor": group}, options, config=CONFIG)
     try:
@@ -93,7 +119,6 @@ def test_crash_at_point_then_restart(point, backend, reference, local_root, requ
             if step >= 2:
                 m.update(step=step)
                 m.save_checkpoint().wait(120)
-        before = {c["name"] for c in m.catalog()["checkpoints"]}
         if who == "worker":
             ray.get(group[1].arm_fault.remote(fault, "kill"), timeout=60)
         else:
@@ -110,7 +135,10 @@ def test_crash_at_point_then_restart(point, backend, reference, local_root, requ
             pass
         _kill(group)
 
-    # the job restarts: new processes, a new coordinator recovering from storage
+
+def _restart_and_check(point: str, backend: str, root: str, options: dict, reference: str) -> None:
+    """The job restarts: new processes, a new coordinator recovering from storage."""
+    before = {"step_00000002", "step_00000003", "step_00000004"}  # committed before the crash
     group = _group()
     m = manager(root, {"actor": group}, options, config=CONFIG)
     try:
