@@ -47,6 +47,17 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
+def flip_bit(path: str, mask: int = 0x01) -> None:
+    """Flip a bit in the middle of a file (size unchanged), as a storage fault would."""
+    import os
+
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 def manager(root: str, groups: dict[str, list[Any]], options: dict | None = None,
             **kwargs: Any) -> CheckpointManager:
     settings = {"commit_timeout_s": 60, "save_wait_timeout_s": 120, "rpc_timeout_s": RPC_TIMEOUT,

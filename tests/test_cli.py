@@ -19,6 +19,7 @@ import time
 import pytest
 
 from raycheckpoint import cli
+from tests.helpers import flip_bit
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -163,12 +164,7 @@ def test_export_needs_one_cpu_and_no_ray(root, tmp_path):
 
 
 def test_verify_names_the_corrupted_file(root, capsys):
-    shard = f"{root}/step_00000004/actor/__1_0.distcp"
-    with open(shard, "r+b") as f:
-        f.seek(os.path.getsize(shard) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_bit(f"{root}/step_00000004/actor/__1_0.distcp")
     code, doc = run_json(capsys, "verify", root)
     assert code == 1 and not doc["ok"]
     bad = [c for c in doc["checkpoints"] if not c["ok"]]

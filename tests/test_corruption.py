@@ -16,7 +16,7 @@ import pytest
 from raycheckpoint import CheckpointNotFoundError, IntegrityError, Storage
 from raycheckpoint.admin import verify
 from raycheckpoint.format import CATALOG, LATEST
-from tests.helpers import manager, train, weights_sha
+from tests.helpers import flip_bit, manager, train, weights_sha
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,15 +37,10 @@ def corrupt(path: str, mode: str) -> None:
     if mode == "delete":
         os.unlink(path)
         return
-    size = os.path.getsize(path)
     if mode == "truncate":
-        os.truncate(path, size // 2)
+        os.truncate(path, os.path.getsize(path) // 2)
         return
-    with open(path, "r+b") as f:
-        f.seek(size // 2)
-        byte = f.read(1)
-        f.seek(size // 2)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_bit(path)
 
 
 @pytest.fixture(scope="module")

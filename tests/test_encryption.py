@@ -12,7 +12,7 @@ import pytest
 from raycheckpoint import CheckpointConfig, IntegrityError, Storage
 from raycheckpoint.admin import verify
 from raycheckpoint.crypto import MAGIC, EncryptionKeyError, FileCipher, key_id, load_key
-from tests.helpers import assert_same, full_state, manager, train
+from tests.helpers import assert_same, flip_bit, full_state, manager, train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -147,12 +147,7 @@ def test_tampered_ciphertext_fails_authentication_even_without_checksums(keys, g
         train(group2, [1])
         m.update(step=1)
         m.save_checkpoint().wait(120)
-        shard = f"{local_root}/step_00000001/actor/__0_0.distcp"
-        with open(shard, "r+b") as f:
-            f.seek(os.path.getsize(shard) // 2)
-            b = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([b[0] ^ 0x80]))
+        flip_bit(f"{local_root}/step_00000001/actor/__0_0.distcp", 0x80)
         with pytest.raises(IntegrityError, match="authentication failed") as e:
             m.load_checkpoint(1)
         assert e.value.path == "step_00000001/actor/__0_0.distcp"  # never garbage tensors

@@ -21,7 +21,16 @@ from raycheckpoint import (
     verify_checkpoint,
 )
 from raycheckpoint.format import COMMITTED, LATEST
-from tests.helpers import arm, assert_same, disarm, full_state, manager, train, weights_sha
+from tests.helpers import (
+    arm,
+    assert_same,
+    disarm,
+    flip_bit,
+    full_state,
+    manager,
+    train,
+    weights_sha,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -248,12 +257,7 @@ def test_corruption_is_detected_and_auto_falls_back(group2, local_root):
             train(group2, [step])
             m.update(step=step)
             m.save_checkpoint().wait(120)
-        shard = os.path.join(local_root, "step_00000003", "actor", "__1_0.distcp")
-        with open(shard, "r+b") as f:  # flip one bit in the middle of a shard
-            f.seek(os.path.getsize(shard) // 2)
-            byte = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([byte[0] ^ 0x01]))
+        flip_bit(os.path.join(local_root, "step_00000003", "actor", "__1_0.distcp"))
         with pytest.raises(IntegrityError, match=re.escape("step_00000003/actor/__1_0.distcp")):
             m.load_checkpoint(3)
         with pytest.warns(RuntimeWarning, match="step_00000003"):
