@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# three driver runs, each starting its own Ray: with the long tests (.ci/run runs them)
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(600)]
 
 
 def test_crash_and_resume_match_straight_run(tmp_path):
