@@ -35,7 +35,7 @@ from typing import Any
 from raycheckpoint import catalog
 from raycheckpoint._internal import faults
 from raycheckpoint.config import CheckpointConfig
-from raycheckpoint.errors import CheckpointSaveError, CommitTimeoutError, LeaseLostError
+from raycheckpoint.errors import CheckpointSaveError, CommitTimeoutError
 from raycheckpoint.format import (
     CATALOG,
     COMMITTED,
@@ -53,7 +53,7 @@ from raycheckpoint.format import (
     validate_tag,
     version_info,
 )
-from raycheckpoint.lease import read_lease
+from raycheckpoint.lease import check_held
 from raycheckpoint.retention import RetentionPolicy
 from raycheckpoint.storage import FileEntry, StorageSpec
 
@@ -146,14 +146,8 @@ class CheckpointCoordinator:
 
     def _check_lease(self) -> None:
         """Before anything irreversible: is the root still this job's? (see lease.py)"""
-        if self.lease_job_id is None:
-            return
-        current = read_lease(self.storage)
-        if current is None or current.job_id != self.lease_job_id:
-            who = current.describe() if current is not None else "nobody (the lease was removed)"
-            raise LeaseLostError(f"the lease on {self.storage.url()} is now held by {who}; this "
-                                 f"job (lease {self.lease_job_id}) no longer writes there",
-                                 holder=None if current is None else current.job_name)
+        if self.lease_job_id is not None:
+            check_held(self.storage, self.lease_job_id, f"lease {self.lease_job_id}")
 
     def _write_latest(self, name: str) -> None:
         self.storage.write_pointer(LATEST, (name + "\n").encode())
@@ -452,9 +446,8 @@ class CheckpointCoordinator:
         for entry in (s.write_bytes(f"{name}/{TRAINER_STATE}", json_bytes(trainer_state)),
                       s.write_bytes(f"{name}/{VERSION}", json_bytes(version_info()))):
             files[entry.path] = entry
-        cipher = self.storage.cipher
         manifest = Manifest(name=name, step=save.step, kind=save.kind, files=files, roles=roles,
-                            encryption=None if cipher is None else cipher.describe())
+                            encryption=self._encryption())
         faults.check("coordinator.manifest", path=name)
         m_entry = s.write_bytes(f"{name}/{MANIFEST}", manifest.to_bytes())
         marker = Marker(name=name, step=save.step, kind=save.kind, manifest_size=m_entry.size,

@@ -75,6 +75,16 @@ def read_lease(storage: Storage) -> LeaseInfo | None:
         return LeaseInfo("unreadable", "unreadable", "?", -1, 0.0, 0.0, 0.0)
 
 
+def check_held(storage: Storage, job_id: str, holder: str) -> None:
+    """Raise LeaseLostError naming the new holder unless ``job_id`` holds the lease."""
+    current = read_lease(storage)
+    if current is None or current.job_id != job_id:
+        who = current.describe() if current is not None else "nobody (the lease was removed)"
+        raise LeaseLostError(f"the lease on {storage.url()} is now held by {who}; this job "
+                             f"({holder}) no longer writes there",
+                             holder=None if current is None else current.job_name)
+
+
 def _process_gone(info: LeaseInfo) -> bool:
     """True when the holder ran on this host and its process no longer exists."""
     if info.host != socket.gethostname() or info.pid <= 0:
@@ -165,14 +175,11 @@ class Lease:
         """Raise LeaseLostError unless this job still holds the lease."""
         if self.lost is not None:
             raise self.lost
-        current = read_lease(self.storage)
-        if current is None or current.job_id != self.job_id:
-            who = current.describe() if current is not None else "nobody (the lease was removed)"
-            self.lost = LeaseLostError(
-                f"the lease on {self.storage.url()} is now held by {who}; this job "
-                f"({self.info.job_name!r}, id {self.job_id}) no longer writes there",
-                holder=None if current is None else current.job_name)
-            raise self.lost
+        try:
+            check_held(self.storage, self.job_id, f"{self.info.job_name!r}, id {self.job_id}")
+        except LeaseLostError as e:
+            self.lost = e
+            raise
 
     def heartbeat(self) -> None:
         self.check()

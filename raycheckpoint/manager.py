@@ -41,7 +41,7 @@ from raycheckpoint.errors import (
     LightCheckpointError,
     RayCheckpointError,
 )
-from raycheckpoint.format import rng_file
+from raycheckpoint.format import rng_file, step_dir_name
 from raycheckpoint.lease import Lease
 from raycheckpoint.metrics import CheckpointMetrics
 from raycheckpoint.resume import (
@@ -356,7 +356,7 @@ class CheckpointManager:
         error = CheckpointSaveError(
             f"save of step {step} failed before any worker wrote: {type(cause).__name__}: {cause}"
             + (f" ({notes})" if notes else ""), failures={"coordinator": repr(cause)})
-        handle = SaveHandle(self, save_id=None, name=f"step_{step:08d}", step=step, kind=kind,
+        handle = SaveHandle(self, save_id=None, name=step_dir_name(step), step=step, kind=kind,
                             stall_s=stall_s, worker_stall_s=0.0)
         handle._error, handle.observed = error, True
         self._record(handle, None, error)
