@@ -72,6 +72,10 @@ class CheckpointConfig:
     lease_takeover: bool = False
     lease_wait_s: float | None = None  # default: lease_ttl_s + 5 (a crashed holder goes stale)
 
+    # background persist: the nice value of each worker's persist thread (0 keeps the
+    # worker's own); training threads win the CPU when a host is short of cores
+    persist_nice: int = 10
+
     # monitoring (see metrics.py): Ray metrics, and warnings on abnormal growth
     publish_metrics: bool = True
     anomaly_window: int = 10
@@ -102,6 +106,8 @@ class CheckpointConfig:
             raise ValueError(
                 "encryption_key must be a reference such as 'env:NAME' or 'file:PATH'; "
                 "a literal secret in a config is refused")
+        if not 0 <= self.persist_nice <= 19:
+            raise ValueError(f"persist_nice must be within 0..19, got {self.persist_nice}")
         if self.storage_retries < 0:
             raise ValueError(f"storage_retries must be >= 0, got {self.storage_retries!r}")
         if self.anomaly_window < 1:

@@ -204,7 +204,7 @@ class CheckpointManager:
             self.spec, config, None if self._lease is None else self._lease.job_id)
         rpc = config.rpc_timeout_s
         _get([w.ckpt_setup.remote(role=role, rank=rank, world_size=len(ws), storage=self.spec,
-                                  report_timeout_s=rpc)
+                                  report_timeout_s=rpc, persist_nice=config.persist_nice)
               for role, ws in self.groups.items() for rank, w in enumerate(ws)], rpc)
         _get(self._coordinator.register_workers.remote(self.workers), rpc)
         self._refresh_identities()
@@ -332,12 +332,17 @@ class CheckpointManager:
         writers = [w for role, ws in self.groups.items() if role not in begun["reused"] for w in ws]
         try:
             snaps = _get([w.ckpt_snapshot.remote(save_id, name, kind, self._coordinator,
-                                                 self.config.save_wait_timeout_s)
+                                                 self.config.save_wait_timeout_s, True)
                           for w in writers], self.config.save_wait_timeout_s + rpc)
         except BaseException as e:
             self._coordinator.abort.remote(save_id, f"snapshot failed: {type(e).__name__}: {e}")
             raise CheckpointSaveError(f"snapshot for {name} failed: {type(e).__name__}: {e}",
                                       failures={"snapshot": repr(e)}) from e
+        # every rank answered before any persist thread competes for its GIL; not waited for:
+        # a failed persist reports to the coordinator, and a start that never arrives happens
+        # at the worker's next snapshot, load or wait
+        for w in writers:
+            w.ckpt_start_persist.remote(save_id)
         self._coordinator.snapshotted.remote(save_id)
         handle = SaveHandle(self, save_id=save_id, name=name, step=step, kind=kind,
                             stall_s=time.perf_counter() - t0,

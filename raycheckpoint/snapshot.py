@@ -20,6 +20,7 @@ The saver knows nothing of commits: it writes files and reports them.
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import time
 import traceback
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from raycheckpoint._internal import faults
-from raycheckpoint.dcp_io import HashingStorageWriter
+from raycheckpoint.dcp_io import HashingStorageWriter, ReusingSavePlanner
 from raycheckpoint.format import asset_file, pack, rng_file
 from raycheckpoint.storage import FileEntry, StorageSpec
 
@@ -115,6 +116,17 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _lower_priority(nice: int) -> None:
+    """Give the calling thread (Linux: a thread has its own nice value) at least ``nice``."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError:  # not permitted here: run at the worker's priority
+        pass
+
+
 class PendingPersist:
     """Handle on one background persist: ``done()``, ``wait(timeout)``, ``error``."""
 
@@ -124,11 +136,20 @@ class PendingPersist:
         self.files: list[FileEntry] = []
         self.persist_s: float | None = None
         self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the background persist (once; later calls do nothing)."""
+        with self._start_lock:
+            if self._thread is not None and self._thread.ident is None:
+                self._thread.start()
 
     def done(self) -> bool:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> list[FileEntry]:
+        self.start()
         if not self._done.wait(timeout):
             raise TimeoutError(f"persist of save {self.save_id} still running after {timeout}s")
         if self.error is not None:
@@ -141,7 +162,7 @@ class ShardSaver:
 
     def __init__(self, *, role: str, rank: int, world_size: int, storage: StorageSpec,
                  process_group: dist.ProcessGroup | None = None,
-                 report_timeout_s: float = 300.0) -> None:
+                 report_timeout_s: float = 300.0, persist_nice: int = 0) -> None:
         self.role = role
         self.rank = rank
         self.world_size = world_size
@@ -149,8 +170,10 @@ class ShardSaver:
         self.storage = storage.open()
         self.process_group = process_group
         self.report_timeout_s = report_timeout_s
+        self.persist_nice = persist_nice
         self.pin_memory = torch.cuda.is_available()
         self._buffers: dict[str, tuple[list[tuple], dict[str, Any]]] = {}
+        self._planners: dict[str, ReusingSavePlanner] = {}
         self.pending: PendingPersist | None = None
 
     def _buffers_for(self, kind: str, state: dict[str, Any]) -> dict[str, Any]:
@@ -168,6 +191,7 @@ class ShardSaver:
         if buffers is None:
             buffers = _create_cpu_state_dict(state, pin_memory=self.pin_memory)
         self._buffers[kind] = (sig, buffers)
+        self._planners.pop(kind, None)  # its cached plan and tensors were for other buffers
         return buffers
 
     def prepare(self, kind: str, state: dict[str, Any]) -> int:
@@ -188,7 +212,13 @@ class ShardSaver:
         return staged
 
     def wait_previous(self, timeout: float) -> None:
-        """Wait for the previous persist; its error was already reported to the coordinator."""
+        """Wait for the previous persist; its error was already reported to the coordinator.
+
+        A persist whose start was deferred and never asked for (the driver died between
+        the snapshot and ``start_persist``) is started here, so it cannot block forever.
+        """
+        if self.pending is not None:
+            self.pending.start()
         if self.pending is not None and not self.pending._done.wait(timeout):
             raise TimeoutError(
                 f"{self.role}/{self.rank}: previous save {self.pending.save_id} still persisting "
@@ -197,7 +227,12 @@ class ShardSaver:
     def snapshot(self, *, save_id: str, step_dir: str, kind: str, state: dict[str, Any],
                  extra: dict[str, Any] | None, coordinator: Any,
                  wait_timeout_s: float = 1800.0,
-                 assets: dict[str, bytes] | None = None) -> dict[str, Any]:
+                 assets: dict[str, bytes] | None = None, start: bool = True) -> dict[str, Any]:
+        """Stage ``state`` and set up its persist; ``start=False`` defers the persist's start.
+
+        Deferring lets the caller answer its RPC before the persist thread (DCP planning is
+        Python, holding the GIL in turns) competes with it: ``start_persist`` then starts it.
+        """
         t0 = time.perf_counter()
         self.wait_previous(wait_timeout_s)
         staged = self._stage(kind, state)
@@ -206,19 +241,32 @@ class ShardSaver:
         self.pending = pending
         thread = threading.Thread(
             target=self._persist, name=f"raycheckpoint-persist-{self.role}-{self.rank}",
-            args=(pending, step_dir, staged, extra, coordinator, dict(assets or {})), daemon=True)
-        thread.start()
+            args=(pending, step_dir, staged, extra, coordinator, dict(assets or {}),
+                  self._planners.setdefault(kind, ReusingSavePlanner())), daemon=True)
+        pending._thread = thread
+        if start:
+            pending.start()
         return {"stall_s": stall_s, "bytes": tensor_bytes(staged)}
 
+    def start_persist(self, save_id: str) -> None:
+        pending = self.pending
+        if pending is None or pending.save_id != save_id:
+            raise RuntimeError(f"{self.role}/{self.rank}: no staged save {save_id} to persist "
+                               f"(the last one is {pending and pending.save_id})")
+        pending.start()
+
     def _persist(self, pending: PendingPersist, step_dir: str, staged: dict[str, Any],
-                 extra: dict[str, Any] | None, coordinator: Any, assets: dict[str, bytes]) -> None:
+                 extra: dict[str, Any] | None, coordinator: Any, assets: dict[str, bytes],
+                 planner: ReusingSavePlanner) -> None:
         t0 = time.perf_counter()
+        _lower_priority(self.persist_nice)
         try:
             faults.check("worker.persist", path=f"{self.role}/{self.rank}")
             files = []
             if staged:  # a role without tensors (rollout) saves its extra state only
                 writer = HashingStorageWriter(self.storage, f"{step_dir}/{self.role}")
-                dcp.save(staged, storage_writer=writer, process_group=self.process_group)
+                dcp.save(staged, storage_writer=writer, planner=planner,
+                         process_group=self.process_group)
                 files = list(writer.written)
             if extra is not None:
                 files.append(self.storage.write_bytes(

@@ -24,6 +24,7 @@ host copy), and per resume ``ckpt_load``.
 from __future__ import annotations
 
 import hashlib
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -70,9 +71,10 @@ class CheckpointableWorker:
 
     def ckpt_setup(self, *, role: str, rank: int, world_size: int, storage: StorageSpec,
                    process_group: dist.ProcessGroup | None = None,
-                   report_timeout_s: float = 300.0) -> None:
+                   report_timeout_s: float = 300.0, persist_nice: int = 0) -> None:
         self.ckpt_role, self.ckpt_rank, self.ckpt_world_size = role, rank, world_size
         if self._ckpt_saver is not None and self._ckpt_saver.storage_spec == storage:
+            self._ckpt_saver.persist_nice = persist_nice
             return
         if process_group is None and dist.is_initialized():
             # DCP runs collectives from the persist thread: give it a group of its own so
@@ -83,7 +85,8 @@ class CheckpointableWorker:
             process_group = self._ckpt_pg
         self._ckpt_saver = ShardSaver(role=role, rank=rank, world_size=world_size,
                                       storage=storage, process_group=process_group,
-                                      report_timeout_s=report_timeout_s)
+                                      report_timeout_s=report_timeout_s,
+                                      persist_nice=persist_nice)
 
     def _saver(self) -> ShardSaver:
         if self._ckpt_saver is None:
@@ -95,7 +98,10 @@ class CheckpointableWorker:
         return self._saver().prepare(kind, self.ckpt_state_dict(kind))
 
     def ckpt_snapshot(self, save_id: str, step_dir: str, kind: str, coordinator: Any,
-                      wait_timeout_s: float = 1800.0) -> dict[str, Any]:
+                      wait_timeout_s: float = 1800.0, defer_persist: bool = False) -> dict[str, Any]:
+        """Stage this rank's state; the persist starts now, or with ``defer_persist`` on
+        ``ckpt_start_persist`` (so this call's answer does not wait behind it)."""
+        t0 = time.perf_counter()
         saver = self._saver()
         saver.wait_previous(wait_timeout_s)  # the host buffers are reused: never overwrite a
         state = self.ckpt_state_dict(kind)   # copy that is still being written
@@ -103,9 +109,15 @@ class CheckpointableWorker:
         if kind == "full":
             extra = {"rng": capture_rng(), "state": self.ckpt_extra_state()}
         assets = self.ckpt_assets() if self.ckpt_rank == 0 else None
-        return saver.snapshot(save_id=save_id, step_dir=step_dir, kind=kind, state=state,
-                              extra=extra, coordinator=coordinator, wait_timeout_s=wait_timeout_s,
-                              assets=assets)
+        out = saver.snapshot(save_id=save_id, step_dir=step_dir, kind=kind, state=state,
+                             extra=extra, coordinator=coordinator, wait_timeout_s=wait_timeout_s,
+                             assets=assets, start=not defer_persist)
+        out["copy_s"] = out["stall_s"]
+        out["stall_s"] = time.perf_counter() - t0  # with building the state dict
+        return out
+
+    def ckpt_start_persist(self, save_id: str) -> None:
+        self._saver().start_persist(save_id)
 
     def ckpt_wait(self, timeout: float = 1800.0) -> list[dict[str, Any]]:
         """Wait for this worker's last persist; re-raise its error if it failed."""
