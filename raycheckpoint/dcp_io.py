@@ -21,10 +21,13 @@ DCP call order (all ranks unless noted): ``reset`` -> ``set_up_storage_writer`` 
 
 from __future__ import annotations
 
+import contextlib
 import io
+import mmap
+import os
 import pickle
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -32,6 +35,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import (
+    DefaultSavePlanner,
     LoadPlan,
     LoadPlanner,
     Metadata,
@@ -63,6 +67,36 @@ def _contiguous_owner(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.contiguous().clone()
     return t
+
+
+class ReusingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, reusing its local plan and resolved tensors between saves.
+
+    For a saver that stages into the same host buffers every time: the structure, shapes
+    and shard offsets of what it saves do not change, so the local plan (one write item
+    per tensor, computed in Python over every DTensor) and each item's resolved local
+    tensor are computed once.  Non-tensor items are resolved anew each save (their values
+    change).  The owner must drop the planner when its buffers change.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cached_plan: SavePlan | None = None
+        self._resolved: dict[Any, torch.Tensor] = {}
+
+    def create_local_plan(self) -> SavePlan:
+        if self._cached_plan is None:
+            self._cached_plan = super().create_local_plan()
+        self.plan = replace(self._cached_plan, planner_data=self.mappings)
+        return self.plan
+
+    def resolve_data(self, write_item: Any) -> Any:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        tensor = self._resolved.get(write_item.index)
+        if tensor is None:
+            tensor = self._resolved[write_item.index] = super().resolve_data(write_item)
+        return tensor
 
 
 class HashingStorageWriter(StorageWriter):
@@ -163,6 +197,54 @@ class VerifyingStorageReader(StorageReader):
         verify_bytes(rel, data, self.expected.get(rel), check_sha=self.check_sha)
         return self.storage.decrypted(rel, data)  # authenticated decryption when encrypted
 
+    def _load_item(self, rel: str, blob: memoryview, req: Any, planner: LoadPlanner) -> None:
+        info: _StorageInfo = self.storage_data[req.storage_index]
+        if info.transform_descriptors:
+            raise IntegrityError(f"{rel}: uses DCP stream transforms {info.transform_descriptors}, "
+                                 "which this reader does not support", path=rel)
+        chunk = io.BytesIO(blob[info.offset:info.offset + info.length])
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, chunk)
+            return
+        tensor = torch.load(chunk, map_location="cpu", weights_only=True)
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise IntegrityError(
+                f"{rel}: item {req.storage_index.fqn} has shape {tuple(tensor.size())}, "
+                f"expected {tuple(target.size())}", path=rel)
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+    @contextlib.contextmanager
+    def _open_verified(self, rel: str) -> Iterator[memoryview]:
+        """A data file's bytes, checked against the manifest before anything reads them.
+
+        A plain file on local disk is memory-mapped: hashing it reads it (with the
+        kernel's read-ahead) straight from the page cache, and no fresh process memory is
+        faulted in for a copy of it.  Elsewhere, and for encrypted files, it is read.
+        """
+        if not (self.storage.is_posix and self.storage.cipher is None):
+            yield memoryview(self._read_verified(rel))
+            return
+        try:
+            f = open(self.storage.full_path(rel), "rb")  # noqa: SIM115 - closed below
+        except FileNotFoundError as e:
+            raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                verify_bytes(rel, b"", self.expected.get(rel), check_sha=self.check_sha)
+                yield memoryview(b"")
+                return
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                view = memoryview(mapped)
+                try:
+                    verify_bytes(rel, view, self.expected.get(rel), check_sha=self.check_sha)
+                    yield view
+                finally:
+                    view.release()
+
     def reset(self, checkpoint_id=None) -> None:
         self.storage_data = {}
 
@@ -191,26 +273,9 @@ class VerifyingStorageReader(StorageReader):
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         for file_name, reqs in per_file.items():
             rel = f"{self.dcp_dir}/{file_name}"
-            blob = memoryview(self._read_verified(rel))
-            for req in reqs:
-                info: _StorageInfo = self.storage_data[req.storage_index]
-                if info.transform_descriptors:
-                    raise IntegrityError(f"{rel}: uses DCP stream transforms "
-                                         f"{info.transform_descriptors}, which this reader does "
-                                         "not support", path=rel)
-                chunk = io.BytesIO(blob[info.offset:info.offset + info.length])
-                if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, chunk)
-                    continue
-                tensor = torch.load(chunk, map_location="cpu", weights_only=True)
-                tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != tensor.size():
-                    raise IntegrityError(
-                        f"{rel}: item {req.storage_index.fqn} has shape {tuple(tensor.size())}, "
-                        f"expected {tuple(target.size())}", path=rel)
-                target.copy_(tensor)
-                planner.commit_tensor(req, target)
+            with self._open_verified(rel) as blob:
+                for req in reqs:
+                    self._load_item(rel, blob, req, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
