@@ -397,8 +397,10 @@ class CheckpointCoordinator:
                 f"from (role, rank) {missing}", missing=missing))
             return
         try:
+            t0 = time.perf_counter()
             with self._commit_lock:
                 result = self._commit(save)
+            result["commit_s"] = time.perf_counter() - t0  # all reports in -> committed
         except Exception as e:
             logger.exception("commit of %s failed", save.name)
             self._finish(save, CheckpointSaveError(
