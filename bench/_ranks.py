@@ -1,0 +1,390 @@
+"""BenchRank: one FSDP2 rank holding model + AdamW state of a chosen size, saved six ways.
+
+Every method saves the same in-memory state of the same rank, so the methods differ
+only in how they save it:
+
+* ``raycheckpoint``: through the :class:`~raycheckpoint.worker.CheckpointableWorker`
+  hooks (the driver runs the :class:`~raycheckpoint.CheckpointManager`);
+* ``verl_sync``: each rank ``torch.save``s its shard (model and optimizer files, as verl's
+  FSDP checkpoint manager does), then a barrier;
+* ``rank0_gather``: gather the full state dict to rank 0, which ``torch.save``s it;
+* ``dcp_sync``: ``torch.distributed.checkpoint.save``;
+* ``dcp_async``: ``async_save`` in thread mode (a new default stager per save);
+* ``dcp_async_stager``: ``async_save`` with one ``DefaultStager`` kept for the job, whose
+  staging buffers are reused from save to save.
+
+Times are measured on every rank from a common barrier; the driver takes the maximum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from typing import Any
+
+import fsspec
+import ray
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from raycheckpoint.worker import CheckpointableWorker, optimizer_state_dict
+from workers.group import init_process_group
+
+METHODS = ("raycheckpoint", "verl_sync", "rank0_gather", "dcp_sync", "dcp_async", "dcp_async_stager")
+# which methods can load a checkpoint into a different number of ranks
+RESHARDS = {"raycheckpoint": True, "verl_sync": False, "rank0_gather": True, "dcp_sync": True,
+            "dcp_async": True, "dcp_async_stager": True}
+N_LAYERS = 16
+VOCAB = 4096
+STATE_BYTES_PER_PARAM = 12  # fp32 weight + AdamW exp_avg + exp_avg_sq
+
+
+def model_dims(total_bytes: int, *, n_layers: int = N_LAYERS, vocab: int = VOCAB) -> int:
+    """The width ``d`` whose model (12 d^2 per layer + embeddings and head) holds ``total_bytes``."""
+    params = total_bytes / STATE_BYTES_PER_PARAM
+    a, b = 12 * n_layers, 2 * vocab
+    d = (-b + math.sqrt(b * b + 4 * a * params)) / (2 * a)
+    return max(16, round(d / 16) * 16)
+
+
+class _Block(nn.Module):
+    """A decoder layer's tensors: attention projections and MLP (12 d^2 weights)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        x = x + self.proj(self.qkv(self.ln1(x))[..., :d])
+        return x + self.down(nn.functional.gelu(self.up(self.ln2(x))))
+
+
+class BenchLM(nn.Module):
+    def __init__(self, d: int, n_layers: int, vocab: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _local(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_local(v, f"{prefix}/{k}"))
+    elif isinstance(obj, DTensor):
+        out[prefix] = obj.to_local()
+    elif isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    return out
+
+
+def digest(state: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    for path, t in sorted(_local(state).items()):
+        h.update(path.encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def _fs(url: str, options: dict[str, Any]) -> tuple[Any, str, bool]:
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    return fs, path, fs.protocol in ("file", ("file", "local"))
+
+
+def drop_page_cache(path: str) -> None:
+    """Evict ``path``'s files from the page cache, so a load reads the disk (local only)."""
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+class _BenchRank(CheckpointableWorker):
+    def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str,
+                 master_port: int, timeout_s: float = 600.0, d: int, n_layers: int = N_LAYERS,
+                 vocab: int = VOCAB, storage_options: dict[str, Any] | None = None) -> None:
+        self.role, self.rank, self.world_size = role, rank, world_size
+        self.options = dict(storage_options or {})
+        init_process_group(rank=rank, world_size=world_size, master_addr=master_addr,
+                           master_port=master_port, timeout_s=timeout_s)
+        with torch.device("meta"):
+            self.net = BenchLM(d, n_layers, vocab)
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in self.net.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+        self.net.to_empty(device="cpu")
+        g = torch.Generator().manual_seed(1234 + rank)
+        with torch.no_grad():
+            for p in self.net.parameters():
+                p.to_local().normal_(0.0, 0.02, generator=g)
+        # DCP's collectives get a group of their own, as torch recommends for async_save: its
+        # background thread must not interleave with training's collectives on the default one
+        self._dcp_pg = dist.new_group(backend="gloo")
+        self.optim = torch.optim.AdamW(self.net.parameters(), lr=1e-4)
+        self.vocab = vocab
+        self.train_step(1, 8)  # AdamW state exists and is not zero
+        self._stager = None
+        self._bg = None
+        self._copy_buffers: list[torch.Tensor] | None = None
+        self._raw: torch.Tensor | None = None
+
+    def ready(self) -> dict[str, Any]:
+        return {"rank": self.rank, "bytes": self.state_bytes(),
+                "tensors": len(_local(self.state()))}
+
+    # ---- training and state -------------------------------------------------------------
+
+    def train_step(self, batch: int, seq: int) -> float:
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(self.rank)
+        tokens = torch.randint(0, self.vocab, (batch, seq + 1), generator=g)
+        logits = self.net(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
+        self.optim.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optim.step()
+        return time.perf_counter() - t0
+
+    def state(self) -> dict[str, Any]:
+        return {"model": get_model_state_dict(self.net),
+                "optim": optimizer_state_dict(self.net, self.optim)}
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in _local(self.state()).values())
+
+    def local_digest(self) -> str:
+        return digest(self.state())
+
+    def full_digest(self) -> str | None:
+        """sha256 of the whole (gathered) model and optimizer state, on rank 0."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = {"model": get_model_state_dict(self.net, options=opts),
+                "optim": optimizer_state_dict(self.net, self.optim, options=opts)}
+        return digest(full) if self.rank == 0 else None
+
+    def perturb(self) -> None:
+        """Change the state, so a load that does nothing cannot look like a correct one."""
+        with torch.no_grad():
+            for t in _local(self.state()).values():
+                if t.is_floating_point():
+                    t.add_(1.0)
+
+    # ---- CheckpointableWorker hooks ------------------------------------------------------
+
+    def ckpt_state_dict(self, kind: str) -> dict[str, Any]:
+        return self.state() if kind == "full" else {"model": get_model_state_dict(self.net)}
+
+    def ckpt_load_state_dict(self, state: dict[str, Any], kind: str) -> None:
+        set_model_state_dict(self.net, state["model"])
+        if "optim" in state:
+            set_optimizer_state_dict(self.net, self.optim, state["optim"])
+
+    # ---- the machine's limits --------------------------------------------------------------
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for _, t in sorted(_local(self.state()).items())]
+
+    def host_copy(self, fresh: bool = False) -> float:
+        """Copy this rank's state into preallocated (or, with ``fresh``, new) host memory."""
+        src = self._tensors()
+        if fresh:
+            dist.barrier()
+            t0 = time.perf_counter()
+            copies = [torch.empty_like(t).copy_(t) for t in src]
+            elapsed = time.perf_counter() - t0
+            del copies
+            return elapsed
+        if self._copy_buffers is None:
+            self._copy_buffers = [torch.zeros_like(t) for t in src]  # allocated and touched
+        dist.barrier()
+        t0 = time.perf_counter()
+        for buf, t in zip(self._copy_buffers, src, strict=True):
+            buf.copy_(t)
+        return time.perf_counter() - t0
+
+    def _raw_buffer(self) -> memoryview:
+        if self._raw is None:
+            self._raw = torch.cat([t.reshape(-1).view(torch.uint8) for t in self._tensors()])
+        return memoryview(self._raw.numpy()).cast("B")
+
+    def raw_write(self, url: str, chunk: int = 8 << 20) -> float:
+        """Sequential write of this rank's bytes to one file (fsync on local disk)."""
+        data = self._raw_buffer()
+        fs, path, local = _fs(f"{url}/raw_{self.rank}.bin", self.options)
+        fs.makedirs(os.path.dirname(path), exist_ok=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if local:
+            with open(path, "wb") as f:
+                for i in range(0, data.nbytes, chunk):
+                    f.write(data[i:i + chunk])
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            with fs.open(path, "wb") as f:
+                for i in range(0, data.nbytes, chunk):
+                    f.write(data[i:i + chunk])
+        return time.perf_counter() - t0
+
+    def raw_read(self, url: str, chunk: int = 8 << 20) -> float:
+        data = self._raw_buffer()
+        fs, path, local = _fs(f"{url}/raw_{self.rank}.bin", self.options)
+        dist.barrier()
+        t0 = time.perf_counter()
+        with (open(path, "rb", buffering=0) if local else fs.open(path, "rb")) as f:
+            pos = 0
+            while pos < data.nbytes:
+                n = f.readinto(data[pos:pos + chunk])
+                if not n:
+                    raise EOFError(f"{path}: {pos} of {data.nbytes} bytes")
+                pos += n
+        return time.perf_counter() - t0
+
+    # ---- the other methods --------------------------------------------------------------------
+
+    def _writer(self, url: str) -> Any:
+        _, path, local = _fs(url, self.options)
+        if local:
+            return dcp.FileSystemWriter(path)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        return FsspecWriter(url, **self.options)
+
+    def _reader(self, url: str) -> Any:
+        _, path, local = _fs(url, self.options)
+        if local:
+            return dcp.FileSystemReader(path)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        return FsspecReader(url, **self.options)
+
+    def _torch_save(self, obj: Any, url: str) -> None:
+        fs, path, _ = _fs(url, self.options)
+        fs.makedirs(os.path.dirname(path), exist_ok=True)
+        with fs.open(path, "wb") as f:
+            torch.save(obj, f)
+
+    def _torch_load(self, url: str) -> Any:
+        fs, path, _ = _fs(url, self.options)
+        with fs.open(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=False)
+
+    def _stager_for_job(self) -> Any:
+        """One DefaultStager kept for the job: its staging memory is reused between saves."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                use_non_blocking_copy=cuda))
+        return self._stager
+
+    def save(self, method: str, url: str) -> dict[str, float]:
+        """Save with ``method``: ``stall_s`` (until training may go on) and ``durable_s``."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        r, ws = self.rank, self.world_size
+        if method == "verl_sync":
+            state = self.state()
+            self._torch_save(state["model"], f"{url}/model_world_size_{ws}_rank_{r}.pt")
+            self._torch_save(state["optim"], f"{url}/optim_world_size_{ws}_rank_{r}.pt")
+            dist.barrier()
+            stall = durable = time.perf_counter() - t0
+        elif method == "rank0_gather":
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            full = {"model": get_model_state_dict(self.net, options=opts),
+                    "optim": optimizer_state_dict(self.net, self.optim, options=opts)}
+            if r == 0:
+                self._torch_save(full, f"{url}/full.pt")
+            del full
+            dist.barrier()
+            stall = durable = time.perf_counter() - t0
+        elif method == "dcp_sync":
+            dcp.save(self.state(), storage_writer=self._writer(url), process_group=self._dcp_pg)
+            stall = durable = time.perf_counter() - t0
+        elif method in ("dcp_async", "dcp_async_stager"):
+            stager = self._stager_for_job() if method == "dcp_async_stager" else None
+            fut = dcp.async_save(self.state(), storage_writer=self._writer(url), async_stager=stager,
+                                 process_group=self._dcp_pg)
+            stall = time.perf_counter() - t0
+            fut.result()
+            durable = time.perf_counter() - t0
+        else:
+            raise ValueError(f"unknown method {method!r} (raycheckpoint runs from the driver)")
+        return {"stall_s": stall, "durable_s": durable}
+
+    def load(self, method: str, url: str) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        r, ws = self.rank, self.world_size
+        if method == "verl_sync":
+            model = self._torch_load(f"{url}/model_world_size_{ws}_rank_{r}.pt")
+            optim = self._torch_load(f"{url}/optim_world_size_{ws}_rank_{r}.pt")
+            set_model_state_dict(self.net, model)
+            set_optimizer_state_dict(self.net, self.optim, optim)
+        elif method == "rank0_gather":
+            full = self._torch_load(f"{url}/full.pt") if r == 0 else {"model": {}, "optim": {}}
+            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(self.net, full["model"], options=opts)
+            set_optimizer_state_dict(self.net, self.optim, full["optim"], options=opts)
+        elif method in ("dcp_sync", "dcp_async", "dcp_async_stager"):
+            state = self.state()
+            dcp.load(state, storage_reader=self._reader(url), process_group=self._dcp_pg)
+            self.ckpt_load_state_dict(state, "full")
+        else:
+            raise ValueError(f"unknown method {method!r}")
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    def start_async(self, url: str) -> float:
+        """Start a ``dcp_async_stager`` save and return after its staging (the stall)."""
+        t0 = time.perf_counter()
+        self._bg = dcp.async_save(self.state(), storage_writer=self._writer(url),
+                                  async_stager=self._stager_for_job(), process_group=self._dcp_pg)
+        return time.perf_counter() - t0
+
+    def async_done(self) -> bool:
+        return self._bg is None or self._bg.done()
+
+    def wait_async(self) -> None:
+        if self._bg is not None:
+            self._bg.result()
+            self._bg = None
+
+    def close_stager(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+BenchRank = ray.remote(_BenchRank)

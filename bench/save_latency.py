@@ -1,0 +1,540 @@
+"""Save and load latency of raycheckpoint against the alternatives, beside the machine's limits.
+
+    python -m bench.save_latency --ranks 2 --bytes-per-rank 256MB --storage /tmp/bench
+    python -m bench.save_latency --ranks 1,2,4,8 --bytes-per-rank 128MB --storage /tmp/bench \\
+        --repeat 3 --out bench/results/ranks
+    python -m bench.save_latency --ranks 2 --bytes-per-rank 64MB --storage moto://   # local S3
+    python -m bench.save_latency --virtual-ranks 8,64,256 --storage /tmp/bench
+
+Each point (ranks x bytes per rank) builds one FSDP2 group whose ranks hold model +
+AdamW state of that size (a 16-layer decoder; about 580 tensors), then, interleaved in
+rounds, saves that same state with every method and loads it back (cold: the files
+are evicted from the page cache first), checking that each load restores exactly what
+was saved.  In the same run it measures the limits of the machine: a host copy of the
+same bytes into preallocated memory, a sequential write + fsync of the same bytes to
+the same storage, and the read back.  With ``--ranks R >= 2`` it also loads every
+method's checkpoint into R/2 ranks (resharding).  See ``bench/README.md``.
+
+``--virtual-ranks`` measures coordination instead: many ranks per process report small
+shards through the real coordinator (see :mod:`bench.virtual_ranks`).
+
+Times are the maximum over ranks; each figure is the median over ``--repeat`` rounds
+(after one warm-up round that is not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import fsspec
+import ray
+
+from bench._ranks import METHODS, RESHARDS, BenchRank, drop_page_cache, model_dims
+from drivers._ray import init_ray
+from raycheckpoint import CheckpointConfig, CheckpointManager
+from workers.group import create_worker_group
+
+TIMEOUT_S = 3600.0
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MB, 1GB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from e
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need positive integers: {text!r}")
+    return values
+
+
+def _sizes(text: str) -> list[int]:
+    return [parse_bytes(v) for v in text.split(",") if v.strip()]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _spread(values: list[float]) -> list[float] | None:
+    return [min(values), max(values)] if values else None
+
+
+# ---- storage ---------------------------------------------------------------------------------
+
+
+class BenchStorage:
+    """The storage a run writes to: a directory, any fsspec URI, or ``moto://`` (a local S3)."""
+
+    def __init__(self, uri: str | None, options: dict[str, Any]) -> None:
+        self._server = None
+        self._tmp = None
+        self.options = dict(options)
+        if uri is None:
+            self._tmp = tempfile.mkdtemp(prefix="rc-bench-")
+            uri = self._tmp
+        elif uri.startswith("moto://"):
+            from moto.server import ThreadedMotoServer
+
+            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+            self._server.start()
+            host, port = self._server.get_host_and_port()
+            self.options = {"endpoint_url": f"http://{host}:{port}", "key": "bench",
+                            "secret": "bench", **self.options}
+            os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+            fs = fsspec.filesystem("s3", **self.options)
+            fs.mkdir("bench")
+            uri = "s3://bench"
+        self.root = f"{uri.rstrip('/')}/run-{uuid.uuid4().hex[:8]}"
+        self.fs, self.path = fsspec.core.url_to_fs(self.root, **self.options)
+        self.local = self.fs.protocol in ("file", ("file", "local"))
+        self.kind = "local" if self.local else ("s3 (moto)" if self._server else str(self.fs.protocol))
+
+    def url(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def drop_cache(self, rel: str = "") -> None:
+        if self.local:
+            drop_page_cache(os.path.join(self.path, rel))
+
+    def remove(self, rel: str) -> None:
+        try:
+            self.fs.rm(f"{self.path}/{rel}", recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self.remove("")
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._server is not None:
+            self._server.stop()
+
+
+# ---- one point -------------------------------------------------------------------------------
+
+
+def _max(refs: list[Any]) -> float:
+    return max(ray.get(refs, timeout=TIMEOUT_S))
+
+
+def _group(ranks: int, d: int, storage: BenchStorage) -> list[Any]:
+    return create_worker_group(BenchRank, role="actor", world_size=ranks, timeout_s=TIMEOUT_S,
+                               d=d, storage_options=storage.options)
+
+
+def _kill(group: list[Any]) -> None:
+    for w in group:
+        ray.kill(w)
+
+
+def _manager(storage: BenchStorage, group: list[Any]) -> CheckpointManager:
+    cfg = CheckpointConfig(save_dir=storage.url("raycheckpoint"), storage_options=storage.options,
+                           keep_last_n=1, publish_metrics=False, commit_timeout_s=TIMEOUT_S,
+                           rpc_timeout_s=TIMEOUT_S, job_name="bench")
+    return CheckpointManager(cfg, {"actor": group})
+
+
+def measure_limits(group: list[Any], storage: BenchStorage, repeat: int) -> dict[str, Any]:
+    copies, writes, reads = [], [], []
+    _max([w.host_copy.remote() for w in group])  # allocates and touches the buffers
+    fresh = _max([w.host_copy.remote(fresh=True) for w in group])
+    for i in range(repeat):
+        copies.append(_max([w.host_copy.remote() for w in group]))
+        writes.append(_max([w.raw_write.remote(storage.url(f"raw/{i}")) for w in group]))
+        storage.drop_cache(f"raw/{i}")
+        reads.append(_max([w.raw_read.remote(storage.url(f"raw/{i}")) for w in group]))
+        storage.remove(f"raw/{i}")
+    return {"host_copy_s": _median(copies), "host_copy_fresh_s": fresh,
+            "raw_write_fsync_s": _median(writes), "raw_read_s": _median(reads),
+            "spread": {"host_copy_s": _spread(copies), "raw_write_fsync_s": _spread(writes),
+                       "raw_read_s": _spread(reads)}}
+
+
+def _check(group: list[Any], expected: list[str], what: str) -> None:
+    got = ray.get([w.local_digest.remote() for w in group], timeout=TIMEOUT_S)
+    if got != expected:
+        bad = [r for r, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
+        raise RuntimeError(f"{what}: ranks {bad} did not get back the state that was saved")
+
+
+def _perturb(group: list[Any]) -> None:
+    ray.get([w.perturb.remote() for w in group], timeout=TIMEOUT_S)
+
+
+def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat: int,
+              methods: tuple[str, ...] = METHODS, reshard: bool = True, step_batch: int = 4,
+              step_seq: int = 64, log=print) -> dict[str, Any]:
+    d = model_dims(ranks * bytes_per_rank)
+    group = _group(ranks, d, storage)
+    info = ray.get([w.ready.remote() for w in group], timeout=TIMEOUT_S)
+    state_bytes = sum(i["bytes"] for i in info)
+    log(f"== {ranks} ranks x {state_bytes / ranks / 1e6:.0f} MB ({info[0]['tensors']} tensors per "
+        f"rank, d_model {d}) on {storage.kind}")
+    manager = _manager(storage, group)
+    samples: dict[str, dict[str, list[float]]] = {m: {"stall_s": [], "durable_s": [], "load_s": [],
+                                                      "stall_worker_s": []} for m in methods}
+    result: dict[str, Any] = {"config": {"ranks": ranks, "bytes_per_rank": state_bytes // ranks,
+                                         "bytes": state_bytes, "d_model": d,
+                                         "tensors_per_rank": info[0]["tensors"],
+                                         "storage": storage.kind, "repeat": repeat}}
+    try:
+        limits = measure_limits(group, storage, repeat)
+        log(f"   limits: host copy {limits['host_copy_s']:.3f} s (fresh memory "
+            f"{limits['host_copy_fresh_s']:.3f} s), write+fsync {limits['raw_write_fsync_s']:.3f} s, "
+            f"read {limits['raw_read_s']:.3f} s")
+        expected = ray.get([w.local_digest.remote() for w in group], timeout=TIMEOUT_S)
+        last_url: dict[str, str] = {}  # method -> its newest checkpoint (the reshard source)
+        ray_name = None
+        for rnd in range(repeat + 1):  # round 0 warms up and is not counted
+            order = methods[rnd % len(methods):] + methods[:rnd % len(methods)]
+            for method in order:
+                url = storage.url(f"{method}/r{rnd}")
+                if method == "raycheckpoint":
+                    manager.update(step=rnd + 1)
+                    t0 = time.perf_counter()
+                    # the last round's checkpoint is tagged: the step-overhead saves below
+                    # must not retire it before the resharded load reads it
+                    handle = manager.save_checkpoint(tag="reshard-source" if rnd == repeat else None)
+                    handle.wait(TIMEOUT_S)
+                    saved = {"stall_s": handle.stall_s, "durable_s": time.perf_counter() - t0,
+                             "stall_worker_s": handle.worker_stall_s}
+                    ray_name = handle.name
+                else:
+                    per_rank = ray.get([w.save.remote(method, url) for w in group], timeout=TIMEOUT_S)
+                    saved = {k: max(r[k] for r in per_rank) for k in ("stall_s", "durable_s")}
+                _perturb(group)
+                storage.drop_cache(method)
+                if method == "raycheckpoint":
+                    t0 = time.perf_counter()
+                    manager.load_checkpoint(ray_name)
+                    load_s = time.perf_counter() - t0
+                else:
+                    load_s = _max([w.load.remote(method, url) for w in group])
+                _check(group, expected, f"{method} load")
+                if method != "raycheckpoint":
+                    if method in last_url:
+                        storage.remove(last_url[method][len(storage.root) + 1:])
+                    last_url[method] = url
+                if rnd == 0:
+                    continue
+                for k, v in saved.items():
+                    samples[method][k].append(v)
+                samples[method]["load_s"].append(load_s)
+            if rnd:
+                log("   round " + str(rnd) + ": " + ", ".join(
+                    f"{m} {samples[m]['stall_s'][-1]:.3f}/{samples[m]['durable_s'][-1]:.3f}"
+                    for m in methods) + " (stall/durable s)")
+        full_digest = None
+        if reshard and ranks > 1:  # a gather: every rank joins, rank 0 answers
+            full_digest = ray.get([w.full_digest.remote() for w in group], timeout=TIMEOUT_S)[0]
+        steps = step_overhead(group, manager, storage, step_batch, step_seq)
+        log(f"   train step {steps['step_s']:.3f} s alone, {_fmt(steps['step_during_persist_s'])} s "
+            f"during a raycheckpoint persist ({_pct(steps['slowdown'])}), "
+            f"{_fmt(steps['step_during_dcp_async_s'])} s during a DCP async_save "
+            f"({_pct(steps['dcp_async_slowdown'])})")
+    finally:
+        manager.close(TIMEOUT_S)
+        ray.get([w.close_stager.remote() for w in group], timeout=TIMEOUT_S)
+        _kill(group)
+    reshard_s: dict[str, float | None] = {m: None for m in methods}
+    if reshard and ranks > 1:
+        reshard_s = reshard_loads(ranks // 2, d, storage, methods, ray_name, last_url, full_digest,
+                                  log=log)
+    result["limits"] = limits
+    result["methods"] = {}
+    for m in methods:
+        s = samples[m]
+        row = {"stall_s": _median(s["stall_s"]), "durable_s": _median(s["durable_s"]),
+               "load_s": _median(s["load_s"]), "reshard_load_s": reshard_s.get(m),
+               "bytes": state_bytes,
+               "spread": {k: _spread(v) for k, v in s.items() if v}}
+        if s["stall_worker_s"]:
+            row["stall_worker_s"] = _median(s["stall_worker_s"])
+        row["durable_gb_s"] = state_bytes / row["durable_s"] / 1e9
+        row["load_gb_s"] = state_bytes / row["load_s"] / 1e9
+        if not RESHARDS[m]:
+            row["reshard_note"] = "cannot load into a different number of ranks"
+        result["methods"][m] = row
+    result["step_overhead"] = steps
+    result["targets"] = targets(result)
+    storage.remove("raycheckpoint")
+    for m in methods:
+        storage.remove(m)
+    return result
+
+
+def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchStorage,
+                  batch: int, seq: int, saves: int = 3) -> dict[str, Any]:
+    """A training step alone, and while a background persist runs: raycheckpoint's, and
+    (side by side) DCP ``async_save``'s with a kept stager."""
+    def step() -> float:
+        return _max([w.train_step.remote(batch, seq) for w in group])
+
+    step()
+    alone = [step() for _ in range(5)]
+    during: list[float] = []
+    during_dcp: list[float] = []
+    for i in range(saves):
+        manager.update(step=manager.global_step + 1)
+        handle = manager.save_checkpoint()
+        while not handle.done():
+            during.append(step())
+        handle.wait(TIMEOUT_S)
+        url = storage.url(f"dcp_async_stager/steps{i}")
+        ray.get([w.start_async.remote(url) for w in group], timeout=TIMEOUT_S)
+        while not all(ray.get([w.async_done.remote() for w in group], timeout=TIMEOUT_S)):
+            during_dcp.append(step())
+        ray.get([w.wait_async.remote() for w in group], timeout=TIMEOUT_S)
+        storage.remove(f"dcp_async_stager/steps{i}")
+    alone += [step() for _ in range(5)]
+    a, b, c = _median(alone), _median(during), _median(during_dcp)
+    return {"step_s": a, "step_during_persist_s": b, "steps_during_persist": len(during),
+            "slowdown": (b / a - 1) if a and b else None,
+            "step_during_dcp_async_s": c, "dcp_async_slowdown": (c / a - 1) if a and c else None,
+            "batch": batch, "seq": seq}
+
+
+def reshard_loads(ranks: int, d: int, storage: BenchStorage, methods: tuple[str, ...],
+                  ray_name: str | None, urls: dict[str, str], full_digest: str,
+                  log=print) -> dict[str, float | None]:
+    group = _group(ranks, d, storage)
+    out: dict[str, float | None] = {}
+    manager = _manager(storage, group)
+    try:
+        for method in methods:
+            if not RESHARDS[method]:
+                out[method] = None
+                continue
+            _perturb(group)
+            storage.drop_cache(method)
+            t0 = time.perf_counter()
+            if method == "raycheckpoint":
+                manager.load_checkpoint(ray_name)
+                out[method] = time.perf_counter() - t0
+            else:
+                out[method] = _max([w.load.remote(method, urls[method]) for w in group])
+            got = ray.get([w.full_digest.remote() for w in group], timeout=TIMEOUT_S)[0]
+            if got != full_digest:
+                raise RuntimeError(f"{method}: the resharded load into {ranks} ranks did not "
+                                   "restore the saved state")
+        log(f"   reshard load -> {ranks} ranks: " + ", ".join(
+            f"{m} {v:.3f} s" for m, v in out.items() if v is not None))
+    finally:
+        manager.close(TIMEOUT_S)
+        _kill(group)
+    return out
+
+
+# ---- targets and reports -----------------------------------------------------------------------
+
+
+def targets(point: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets as ratios of this point's medians (None where not measured)."""
+    m, lim = point["methods"], point["limits"]
+    ours = m.get("raycheckpoint")
+    if ours is None:
+        return {}
+
+    def ratio(a, b):
+        return None if a is None or b in (None, 0) else a / b
+
+    out: dict[str, Any] = {
+        "stall_over_host_copy": ratio(ours["stall_s"], lim["host_copy_s"]),
+        "stall_over_dcp_async": ratio(ours["stall_s"], (m.get("dcp_async") or {}).get("stall_s")),
+        "durable_over_raw_write": ratio(ours["durable_s"], lim["raw_write_fsync_s"]),
+        "durable_over_dcp_sync": ratio(ours["durable_s"], (m.get("dcp_sync") or {}).get("durable_s")),
+        "reshard_load_throughput_vs_raw_read": ratio(lim["raw_read_s"], ours.get("reshard_load_s")),
+        "step_slowdown_during_persist": point.get("step_overhead", {}).get("slowdown"),
+    }
+    verl = m.get("verl_sync")
+    if verl is not None:
+        achieved = ratio(verl["stall_s"], ours["stall_s"])
+        best = ratio(verl["stall_s"], lim["host_copy_s"])
+        out["verl_stall_ratio"] = achieved
+        out["verl_best_ratio"] = best
+        out["verl_ratio_fraction_of_best"] = ratio(achieved, best)
+    goals = {"stall_over_host_copy": ("<=", 1.3), "stall_over_dcp_async": ("<=", 1.0),
+             "durable_over_raw_write": ("<=", 1.2), "durable_over_dcp_sync": ("<=", 1.0),
+             "reshard_load_throughput_vs_raw_read": (">=", 0.7),
+             "step_slowdown_during_persist": ("<=", 0.10),
+             "verl_ratio_fraction_of_best": (">=", 0.75)}
+    out["met"] = {k: (None if out.get(k) is None else
+                      (out[k] <= v if op == "<=" else out[k] >= v)) for k, (op, v) in goals.items()}
+    return out
+
+
+def _fmt(v: float | None, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.1%}"
+
+
+def table(point: dict[str, Any]) -> str:
+    c, lim = point["config"], point["limits"]
+    lines = [f"{c['ranks']} ranks x {c['bytes_per_rank'] / 1e6:.0f} MB per rank "
+             f"({c['bytes'] / 1e6:.0f} MB), {c['storage']}, median of {c['repeat']}",
+             f"{'method':<18}{'stall s':>9}{'durable s':>10}{'load s':>9}{'reshard s':>10}"
+             f"{'GB/s':>7}{'stall/copy':>11}"]
+    for name, row in point["methods"].items():
+        lines.append(f"{name:<18}{_fmt(row['stall_s']):>9}{_fmt(row['durable_s']):>10}"
+                     f"{_fmt(row['load_s']):>9}{_fmt(row['reshard_load_s']):>10}"
+                     f"{_fmt(row['durable_gb_s'], '.2f'):>7}"
+                     f"{_fmt(row['stall_s'] / lim['host_copy_s'], '.2f'):>11}")
+    lines.append(f"{'limit: host copy':<18}{_fmt(lim['host_copy_s']):>9}"
+                 f"   (fresh memory {_fmt(lim['host_copy_fresh_s'])})")
+    lines.append(f"{'limit: write+fsync':<18}{'':>9}{_fmt(lim['raw_write_fsync_s']):>10}")
+    lines.append(f"{'limit: read':<18}{'':>9}{'':>10}{_fmt(lim['raw_read_s']):>9}")
+    t = point.get("targets") or {}
+    if t:
+        marks = {True: "met", False: "MISSED", None: "n/a"}
+        lines.append("targets: " + "; ".join(
+            f"{k} {_fmt(t.get(k), '.2f')} ({marks[v]})" for k, v in t["met"].items()))
+    return "\n".join(lines)
+
+
+def plot(points: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise SystemExit("--out needs matplotlib for plot.png: pip install -e '.[bench]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_ranks = sorted({p["config"]["ranks"] for p in points})
+    by_bytes = sorted({p["config"]["bytes_per_rank"] for p in points})
+    axes_spec = []
+    if len(by_ranks) > 1 or len(by_bytes) == 1:
+        axes_spec.append(("ranks", "ranks"))
+    if len(by_bytes) > 1:
+        axes_spec.append(("bytes_per_rank", "bytes per rank (MB)"))
+    fig, axes = plt.subplots(2, len(axes_spec), figsize=(6.5 * len(axes_spec), 8), squeeze=False)
+    methods = list(points[0]["methods"])
+    for col, (key, label) in enumerate(axes_spec):
+        other = "bytes_per_rank" if key == "ranks" else "ranks"
+        fixed = max({p["config"][other] for p in points},
+                    key=lambda v: sum(p["config"][other] == v for p in points))
+        pts = sorted((p for p in points if p["config"][other] == fixed),
+                     key=lambda p: p["config"][key])
+        xs = [p["config"][key] / (1e6 if key == "bytes_per_rank" else 1) for p in pts]
+        for row, (metric, limit, title) in enumerate((
+                ("stall_s", "host_copy_s", "stall (training blocked)"),
+                ("durable_s", "raw_write_fsync_s", "durable (committed)"))):
+            ax = axes[row][col]
+            for m in methods:
+                ax.plot(xs, [p["methods"][m][metric] for p in pts], marker="o", label=m)
+            ax.plot(xs, [p["limits"][limit] for p in pts], "k--", label=f"limit: {limit[:-2]}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            fixed_label = (f"{fixed / 1e6:.0f} MB per rank" if other == "bytes_per_rank"
+                           else f"{fixed} ranks")
+            ax.set_title(f"{title}, {fixed_label}")
+            ax.set_xlabel(label)
+            ax.set_ylabel("seconds")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"save latency on {points[0]['config']['storage']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+def _options(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    env = os.environ.get("RAYCHECKPOINT_STORAGE_OPTIONS")
+    if env:
+        out.update(json.loads(env))
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"-o expects KEY=VALUE, got {pair!r}")
+        out[key] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=_ints, default=[2], help="ranks, or a comma list to sweep")
+    p.add_argument("--bytes-per-rank", type=_sizes, default=[parse_bytes("64MB")],
+                   help="state bytes per rank (model + AdamW), or a comma list to sweep")
+    p.add_argument("--storage", default=None,
+                   help="a directory or fsspec URI (default: a temporary directory); "
+                        "moto:// starts a local S3 server for the run")
+    p.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--repeat", type=int, default=3, help="counted rounds per point (after a warm-up)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma list of methods (default: all of {', '.join(METHODS)})")
+    p.add_argument("--no-reshard", action="store_true", help="skip the R -> R/2 loads")
+    p.add_argument("--step-batch", type=int, default=4)
+    p.add_argument("--step-seq", type=int, default=64)
+    p.add_argument("--virtual-ranks", type=_ints, default=None,
+                   help="measure commit coordination with this many virtual ranks (comma list)")
+    p.add_argument("--virtual-hosts", type=int, default=4,
+                   help="processes hosting the virtual ranks")
+    p.add_argument("--shard-bytes", type=parse_bytes, default=parse_bytes("64KiB"),
+                   help="bytes each virtual rank writes")
+    p.add_argument("--out", default=None, help="write results.json and plot.png here")
+    args = p.parse_args(argv)
+    methods = tuple(m.strip() for m in args.methods.split(","))
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        p.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    storage = BenchStorage(args.storage, _options(args.storage_option))
+    started_ray = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+    init_ray()
+    try:
+        if args.virtual_ranks:
+            from bench.virtual_ranks import run_virtual, virtual_table
+
+            results = run_virtual(args.virtual_ranks, storage, hosts=args.virtual_hosts,
+                                  shard_bytes=args.shard_bytes, repeat=args.repeat)
+            print(virtual_table(results))
+        else:
+            points = []
+            for ranks in args.ranks:
+                for size in args.bytes_per_rank:
+                    point = run_point(ranks, size, storage, repeat=args.repeat, methods=methods,
+                                      reshard=not args.no_reshard, step_batch=args.step_batch,
+                                      step_seq=args.step_seq)
+                    print(table(point), flush=True)
+                    points.append(point)
+            results = {**points[-1], "points": points}
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "results.json"), "w") as f:
+                json.dump(results, f, indent=1)
+            if not args.virtual_ranks:
+                plot(results["points"], os.path.join(args.out, "plot.png"))
+            print(f"wrote {args.out}/results.json" + ("" if args.virtual_ranks else " and plot.png"))
+        return results
+    finally:
+        storage.close()
+        if started_ray:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
