@@ -18,7 +18,8 @@ implements four hooks:
 The driver-side :class:`~raycheckpoint.manager.CheckpointManager` calls the
 ``ckpt_*`` remote methods below; a worker never decides what is committed.
 Call order: ``ckpt_setup`` once, then per save ``ckpt_snapshot`` (returns after the
-host copy), and per resume ``ckpt_load``.
+host copy) and ``ckpt_start_persist`` (sent once every rank has answered, so no rank's
+answer waits behind its persist thread), and per resume ``ckpt_load``.
 """
 
 from __future__ import annotations
