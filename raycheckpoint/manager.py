@@ -6,7 +6,8 @@ actor, sets up the workers' savers, and drives the protocol:
 * ``save_checkpoint(tag=None, kind="full")`` asks the coordinator to ``begin``, calls
   ``ckpt_snapshot`` on every worker in parallel (returns after their host copy), then
   ``ckpt_start_persist`` without waiting, and returns a :class:`SaveHandle` at once;
-  persisting and committing go on in the background.  ``handle.wait(timeout)`` returns the commit result or raises the error.
+  persisting and committing go on in the background.  ``handle.wait(timeout)`` returns
+  the commit result or raises the error.
 * ``load_checkpoint(ref, strict=True)`` resolves, verifies and loads a checkpoint into
   every worker (resharding when the world size changed), then restores the driver's
   RNG and data loader.  ``"auto"`` skips checkpoints that fail verification.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
 
@@ -45,6 +46,8 @@ def test_config_rejects_bad_values():
         CheckpointConfig.from_dict({"save_dir": "/x", "keep_last": 3})
     with pytest.raises(ValueError, match="best_mode"):
         CheckpointConfig(save_dir="/x", best_mode="up")
+    with pytest.raises(ValueError, match="persist_nice"):
+        CheckpointConfig(save_dir="/x", persist_nice=20)
     CheckpointConfig(save_dir="/x", encryption_key="env:CKPT_KEY")
 
 
@@ -135,3 +138,23 @@ def test_sampler_resumes_mid_epoch():
     assert sorted(first + rest[:3]) == list(range(10))
     with pytest.raises(ValueError, match="seed"):
         ResumableSampler(10, seed=4).load_state_dict(state)
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread nice values here")
+def test_persist_priority_is_lowered_for_the_persist_thread_only():
+    import threading
+
+    from raycheckpoint.snapshot import _lower_priority
+
+    seen = {}
+
+    def persist_like():
+        _lower_priority(10)
+        seen["thread"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=persist_like)
+    t.start()
+    t.join(10)
+    assert seen["thread"] == max(10, before)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
