@@ -76,11 +76,12 @@ def ray_head():
     shutil.rmtree(temp, ignore_errors=True)
 
 
-def submit(head, args: list[str], *, wait: bool = True, timeout: float = 600):
+def submit(head, args: list[str], *, wait: bool = True, timeout: float = 600,
+           module: str = "drivers.main_ppo", base: list[str] | None = None):
     cmd = [RAY, "job", "submit", "--address", head["address"], "--working-dir", str(REPO)]
     if not wait:
         cmd.append("--no-wait")
-    cmd += ["--", sys.executable, "-m", "drivers.main_ppo", *BASE, *args]
+    cmd += ["--", sys.executable, "-m", module, *(BASE if base is None else base), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
                           env=head["env"])
 
@@ -206,3 +207,20 @@ def test_strict_resume_refuses_every_difference(ray_head, tmp_path):
                                   "trainer.n_gpus_per_node=2", "checkpoint.allow_reshard=true"])
     assert resharded.returncode == 0, resharded.stdout[-3000:] + resharded.stderr[-3000:]
     assert "resumed from step_00000002 at step 2 (resharded" in resharded.stdout
+
+
+@pytest.mark.long
+def test_latency_bench_runs_as_a_ray_job(ray_head, tmp_path):
+    """`ray job submit -- python -m bench.save_latency ...` joins the cluster it runs on."""
+    out = tmp_path / "out"
+    r = submit(ray_head, ["--ranks", "2", "--bytes-per-rank", "1MB", "--repeat", "1",
+                          "--methods", "raycheckpoint,dcp_async_stager", "--no-reshard",
+                          "--step-batch", "1", "--step-seq", "8",
+                          "--storage", str(tmp_path / "store"), "--out", str(out)],
+               module="bench.save_latency", base=[])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "raycheckpoint" in r.stdout and "limit: host copy" in r.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["methods"]) == {"raycheckpoint", "dcp_async_stager"}
+    assert results["methods"]["raycheckpoint"]["durable_s"] > 0
+    assert (out / "plot.png").exists()
