@@ -67,7 +67,12 @@ def _namespaces_available() -> str | None:
 
 
 def _run_isolated(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    # a ray.init() earlier in this pytest process (the session's Ray instance) sets
+    # RAY_AUTH_MODE=token with its token under this process's HOME; the scripts bring up
+    # clusters of their own under another HOME, so nothing of that instance may leak in
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith("RAY_AUTH") or k == "RAY_ADDRESS")}
+    env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     return subprocess.run(["unshare", "--net", "--pid", "--mount", "--fork", "--mount-proc", "bash",
                            str(REPO / "tests/cluster" / script), *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
