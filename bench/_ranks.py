@@ -38,9 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
-from raycheckpoint.worker import CheckpointableWorker, optimizer_state_dict
+from raycheckpoint.worker import CheckpointableWorker, _local_tensors, optimizer_state_dict
 from workers.group import init_process_group
 
 METHODS = ("raycheckpoint", "verl_sync", "rank0_gather", "dcp_sync", "dcp_async", "dcp_async_stager")
@@ -90,21 +89,9 @@ class BenchLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def _local(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_local(v, f"{prefix}/{k}"))
-    elif isinstance(obj, DTensor):
-        out[prefix] = obj.to_local()
-    elif isinstance(obj, torch.Tensor):
-        out[prefix] = obj
-    return out
-
-
 def digest(state: dict[str, Any]) -> str:
     h = hashlib.sha256()
-    for path, t in sorted(_local(state).items()):
+    for path, t in sorted(_local_tensors(state).items()):
         h.update(path.encode())
         h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
@@ -162,7 +149,7 @@ class _BenchRank(CheckpointableWorker):
 
     def ready(self) -> dict[str, Any]:
         return {"rank": self.rank, "bytes": self.state_bytes(),
-                "tensors": len(_local(self.state()))}
+                "tensors": len(_local_tensors(self.state()))}
 
     # ---- training and state -------------------------------------------------------------
 
@@ -182,7 +169,7 @@ class _BenchRank(CheckpointableWorker):
                 "optim": optimizer_state_dict(self.net, self.optim)}
 
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in _local(self.state()).values())
+        return sum(t.numel() * t.element_size() for t in _local_tensors(self.state()).values())
 
     def local_digest(self) -> str:
         return digest(self.state())
@@ -197,7 +184,7 @@ class _BenchRank(CheckpointableWorker):
     def perturb(self) -> None:
         """Change the state, so a load that does nothing cannot look like a correct one."""
         with torch.no_grad():
-            for t in _local(self.state()).values():
+            for t in _local_tensors(self.state()).values():
                 if t.is_floating_point():
                     t.add_(1.0)
 
@@ -214,7 +201,7 @@ class _BenchRank(CheckpointableWorker):
     # ---- the machine's limits --------------------------------------------------------------
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [t for _, t in sorted(_local(self.state()).items())]
+        return [t for _, t in sorted(_local_tensors(self.state()).items())]
 
     def host_copy(self, fresh: bool = False) -> float:
         """Copy this rank's state into preallocated (or, with ``fresh``, new) host memory."""
