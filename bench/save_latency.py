@@ -39,6 +39,7 @@ import fsspec
 import ray
 
 from bench._ranks import METHODS, RESHARDS, BenchRank, drop_page_cache, model_dims
+from bench.report import _fmt, _pct, plot, table, targets
 from drivers._ray import init_ray
 from raycheckpoint import CheckpointConfig, CheckpointManager
 from workers.group import create_worker_group
@@ -341,121 +342,6 @@ def reshard_loads(ranks: int, d: int, storage: BenchStorage, methods: tuple[str,
         manager.close(TIMEOUT_S)
         _kill(group)
     return out
-
-
-# ---- targets and reports -----------------------------------------------------------------------
-
-
-def targets(point: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets as ratios of this point's medians (None where not measured)."""
-    m, lim = point["methods"], point["limits"]
-    ours = m.get("raycheckpoint")
-    if ours is None:
-        return {}
-
-    def ratio(a, b):
-        return None if a is None or b in (None, 0) else a / b
-
-    out: dict[str, Any] = {
-        "stall_over_host_copy": ratio(ours["stall_s"], lim["host_copy_s"]),
-        "stall_over_dcp_async": ratio(ours["stall_s"], (m.get("dcp_async") or {}).get("stall_s")),
-        "durable_over_raw_write": ratio(ours["durable_s"], lim["raw_write_fsync_s"]),
-        "durable_over_dcp_sync": ratio(ours["durable_s"], (m.get("dcp_sync") or {}).get("durable_s")),
-        "reshard_load_throughput_vs_raw_read": ratio(lim["raw_read_s"], ours.get("reshard_load_s")),
-        "step_slowdown_during_persist": point.get("step_overhead", {}).get("slowdown"),
-    }
-    verl = m.get("verl_sync")
-    if verl is not None:
-        achieved = ratio(verl["stall_s"], ours["stall_s"])
-        best = ratio(verl["stall_s"], lim["host_copy_s"])
-        out["verl_stall_ratio"] = achieved
-        out["verl_best_ratio"] = best
-        out["verl_ratio_fraction_of_best"] = ratio(achieved, best)
-    goals = {"stall_over_host_copy": ("<=", 1.3), "stall_over_dcp_async": ("<=", 1.0),
-             "durable_over_raw_write": ("<=", 1.2), "durable_over_dcp_sync": ("<=", 1.0),
-             "reshard_load_throughput_vs_raw_read": (">=", 0.7),
-             "step_slowdown_during_persist": ("<=", 0.10),
-             "verl_ratio_fraction_of_best": (">=", 0.75)}
-    out["met"] = {k: (None if out.get(k) is None else
-                      (out[k] <= v if op == "<=" else out[k] >= v)) for k, (op, v) in goals.items()}
-    return out
-
-
-def _fmt(v: float | None, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:+.1%}"
-
-
-def table(point: dict[str, Any]) -> str:
-    c, lim = point["config"], point["limits"]
-    lines = [f"{c['ranks']} ranks x {c['bytes_per_rank'] / 1e6:.0f} MB per rank "
-             f"({c['bytes'] / 1e6:.0f} MB), {c['storage']}, median of {c['repeat']}",
-             f"{'method':<18}{'stall s':>9}{'durable s':>10}{'load s':>9}{'reshard s':>10}"
-             f"{'GB/s':>7}{'stall/copy':>11}"]
-    for name, row in point["methods"].items():
-        lines.append(f"{name:<18}{_fmt(row['stall_s']):>9}{_fmt(row['durable_s']):>10}"
-                     f"{_fmt(row['load_s']):>9}{_fmt(row['reshard_load_s']):>10}"
-                     f"{_fmt(row['durable_gb_s'], '.2f'):>7}"
-                     f"{_fmt(row['stall_s'] / lim['host_copy_s'], '.2f'):>11}")
-    lines.append(f"{'limit: host copy':<18}{_fmt(lim['host_copy_s']):>9}"
-                 f"   (fresh memory {_fmt(lim['host_copy_fresh_s'])})")
-    lines.append(f"{'limit: write+fsync':<18}{'':>9}{_fmt(lim['raw_write_fsync_s']):>10}")
-    lines.append(f"{'limit: read':<18}{'':>9}{'':>10}{_fmt(lim['raw_read_s']):>9}")
-    t = point.get("targets") or {}
-    if t:
-        marks = {True: "met", False: "MISSED", None: "n/a"}
-        lines.append("targets: " + "; ".join(
-            f"{k} {_fmt(t.get(k), '.2f')} ({marks[v]})" for k, v in t["met"].items()))
-    return "\n".join(lines)
-
-
-def plot(points: list[dict[str, Any]], path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise SystemExit("--out needs matplotlib for plot.png: pip install -e '.[bench]'") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    by_ranks = sorted({p["config"]["ranks"] for p in points})
-    by_bytes = sorted({p["config"]["bytes_per_rank"] for p in points})
-    axes_spec = []
-    if len(by_ranks) > 1 or len(by_bytes) == 1:
-        axes_spec.append(("ranks", "ranks"))
-    if len(by_bytes) > 1:
-        axes_spec.append(("bytes_per_rank", "bytes per rank (MB)"))
-    fig, axes = plt.subplots(2, len(axes_spec), figsize=(6.5 * len(axes_spec), 8), squeeze=False)
-    methods = list(points[0]["methods"])
-    for col, (key, label) in enumerate(axes_spec):
-        other = "bytes_per_rank" if key == "ranks" else "ranks"
-        fixed = max({p["config"][other] for p in points},
-                    key=lambda v: sum(p["config"][other] == v for p in points))
-        pts = sorted((p for p in points if p["config"][other] == fixed),
-                     key=lambda p: p["config"][key])
-        xs = [p["config"][key] / (1e6 if key == "bytes_per_rank" else 1) for p in pts]
-        for row, (metric, limit, title) in enumerate((
-                ("stall_s", "host_copy_s", "stall (training blocked)"),
-                ("durable_s", "raw_write_fsync_s", "durable (committed)"))):
-            ax = axes[row][col]
-            for m in methods:
-                ax.plot(xs, [p["methods"][m][metric] for p in pts], marker="o", label=m)
-            ax.plot(xs, [p["limits"][limit] for p in pts], "k--", label=f"limit: {limit[:-2]}")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            fixed_label = (f"{fixed / 1e6:.0f} MB per rank" if other == "bytes_per_rank"
-                           else f"{fixed} ranks")
-            ax.set_title(f"{title}, {fixed_label}")
-            ax.set_xlabel(label)
-            ax.set_ylabel("seconds")
-            ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"save latency on {points[0]['config']['storage']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ---- command line --------------------------------------------------------------------------------
