@@ -10,9 +10,13 @@ What this layer adds:
   the writer keeps the resulting :class:`~raycheckpoint.storage.FileEntry` list in
   ``written`` for the worker to report to the coordinator;
 * the reader checks every file it opens against the verified manifest (presence,
-  size, sha256) *before* deserializing it, so DCP's pickled ``.metadata`` is never
-  unpickled unless its checksum matches, and a flipped bit raises
-  :class:`~raycheckpoint.errors.IntegrityError` naming the file.
+  size, sha256), and a flipped bit raises :class:`~raycheckpoint.errors.IntegrityError`
+  naming the file.  DCP's pickled ``.metadata`` is verified before it is unpickled.  A
+  data file's sha256 is computed in a helper thread while its tensors are copied out
+  (only torch's weights-only unpickler ever sees its bytes before that), and checked
+  before the load returns;
+* on local disk a data file is memory-mapped and each tensor is copied straight from the
+  mapping into its destination: no per-item buffer, no intermediate tensor.
 
 DCP call order (all ranks unless noted): ``reset`` -> ``set_up_storage_writer`` ->
 ``prepare_local_plan`` -> (coordinator) ``prepare_global_plan`` -> ``write_data`` ->
@@ -22,17 +26,23 @@ DCP call order (all ranks unless noted): ``reset`` -> ``set_up_storage_writer`` 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import inspect
 import io
 import mmap
 import os
 import pickle
+import sys
+import threading
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch._weights_only_unpickler as _weights_only_unpickler
 import torch.distributed.checkpoint as dcp
+import torch.serialization
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import (
     DefaultSavePlanner,
@@ -53,7 +63,7 @@ from torch.futures import Future
 
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.format import DCP_METADATA
-from raycheckpoint.integrity import verify_bytes
+from raycheckpoint.integrity import check_digest, check_size, verify_bytes
 from raycheckpoint.storage import FileEntry, Storage
 
 DCP_SUFFIX = ".distcp"
@@ -67,6 +77,96 @@ def _contiguous_owner(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.contiguous().clone()
     return t
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable file over a memoryview, for torch's zip reader: it reads the records it
+    asks for (the small pickle and headers), never the tensor bytes."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        b[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+# torch.load(weights_only=True) with its storages viewing the caller's buffer: torch's own
+# reader (the one its mmap=True path uses) handed the record as one "overall storage"
+_ZERO_COPY_LOAD = (hasattr(torch.serialization, "_open_zipfile_reader")
+                   and "overall_storage" in inspect.signature(torch.serialization._load).parameters)
+
+
+@dataclass(frozen=True)
+class _TensorLayout:
+    """The tensor a one-storage ``torch.save`` record's pickle builds over its storage."""
+
+    nbytes: int
+    dtype: torch.dtype
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+_LAYOUT_CACHE_MAX = 4096
+_layouts: dict[bytes, _TensorLayout] = {}  # data.pkl bytes -> the tensor it builds
+_layouts_lock = threading.Lock()
+
+
+def load_record(blob: memoryview) -> Any:
+    """What ``torch.load(weights_only=True)`` returns for the ``torch.save`` record in ``blob``.
+
+    The loaded tensors' storages view ``blob`` (which must be writable); nothing is copied,
+    so the caller copies what it keeps before ``blob`` goes away.  Same zip reader, same
+    unpickler, same byte-order handling as ``torch.load``.  A checkpoint holds hundreds of
+    tensors of a few shapes, and torch's weights-only unpickler is pure Python: a record
+    whose pickle equals one seen before (same dtype, shape, strides) is built from that
+    one's result over its own storage, without unpickling it again.
+    """
+    if not _ZERO_COPY_LOAD:  # a torch without the internals this relies on
+        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    with torch.serialization._open_zipfile_reader(_ViewReader(blob)) as zip_file:
+        native = (zip_file.has_record("byteorder")
+                  and zip_file.get_record("byteorder").decode() == sys.byteorder)
+        pkl = zip_file.get_record("data.pkl") if native else None
+        layout = None if pkl is None else _layouts.get(pkl)
+        if layout is not None and zip_file.get_record_size("data/0") == layout.nbytes:
+            at = zip_file.get_record_offset("data/0")
+            storage = torch.frombuffer(blob[at:at + layout.nbytes], dtype=torch.uint8)
+            return torch.empty(0, dtype=layout.dtype).set_(
+                storage.untyped_storage(), layout.storage_offset, layout.size, layout.stride)
+        whole = torch.frombuffer(blob, dtype=torch.uint8).untyped_storage()
+        try:
+            obj = torch.serialization._load(zip_file, "cpu", _weights_only_unpickler,
+                                            overall_storage=whole, encoding="utf-8")
+        except pickle.UnpicklingError as e:
+            raise pickle.UnpicklingError(f"weights-only load refused the record: {e}") from None
+        if (pkl is not None and type(obj) is torch.Tensor and not obj.requires_grad
+                and obj.untyped_storage().nbytes() > 0 and len(_layouts) < _LAYOUT_CACHE_MAX
+                and [r for r in zip_file.get_all_records() if r.startswith("data/")] == ["data/0"]):
+            with _layouts_lock:
+                _layouts[pkl] = _TensorLayout(
+                    nbytes=obj.untyped_storage().nbytes(), dtype=obj.dtype,
+                    storage_offset=obj.storage_offset(), size=tuple(obj.size()),
+                    stride=tuple(obj.stride()))
+    return obj
 
 
 class ReusingSavePlanner(DefaultSavePlanner):
@@ -202,30 +302,37 @@ class VerifyingStorageReader(StorageReader):
         if info.transform_descriptors:
             raise IntegrityError(f"{rel}: uses DCP stream transforms {info.transform_descriptors}, "
                                  "which this reader does not support", path=rel)
-        chunk = io.BytesIO(blob[info.offset:info.offset + info.length])
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > len(blob):
+            raise IntegrityError(f"{rel}: item {req.storage_index.fqn} lies outside the file",
+                                 path=rel)
+        record = blob[info.offset:info.offset + info.length]
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, chunk)
+            planner.load_bytes(req, io.BytesIO(record))
             return
-        tensor = torch.load(chunk, map_location="cpu", weights_only=True)
-        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        tensor = narrow_tensor_by_index(load_record(record), req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise IntegrityError(
                 f"{rel}: item {req.storage_index.fqn} has shape {tuple(tensor.size())}, "
                 f"expected {tuple(target.size())}", path=rel)
         target.copy_(tensor)
+        del tensor  # it views the file's mapping, which closes after the last item
         planner.commit_tensor(req, target)
 
     @contextlib.contextmanager
     def _open_verified(self, rel: str) -> Iterator[memoryview]:
-        """A data file's bytes, checked against the manifest before anything reads them.
+        """A data file's bytes as a writable view, checked against the manifest.
 
-        A plain file on local disk is memory-mapped: hashing it reads it (with the
-        kernel's read-ahead) straight from the page cache, and no fresh process memory is
-        faulted in for a copy of it.  Elsewhere, and for encrypted files, it is read.
+        Presence and size are checked before anything reads it.  A plain file on local
+        disk is memory-mapped (copy-on-write, so the view is writable and nothing is
+        faulted in beyond the file's pages); its sha256 is computed in a helper thread
+        (hashlib releases the GIL) while the caller copies tensors out of the mapping, and
+        checked when the caller is done: a mismatch raises IntegrityError, also when the
+        caller failed first on the corrupt bytes.  Elsewhere, and for encrypted files, the
+        file is read and verified first.
         """
         if not (self.storage.is_posix and self.storage.cipher is None):
-            yield memoryview(self._read_verified(rel))
+            yield memoryview(bytearray(self._read_verified(rel)))
             return
         try:
             f = open(self.storage.full_path(rel), "rb")  # noqa: SIM115 - closed below
@@ -233,17 +340,45 @@ class VerifyingStorageReader(StorageReader):
             raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
         with f:
             size = os.fstat(f.fileno()).st_size
+            expected = check_size(rel, size, self.expected.get(rel))
             if size == 0:
-                verify_bytes(rel, b"", self.expected.get(rel), check_sha=self.check_sha)
-                yield memoryview(b"")
+                if self.check_sha:
+                    check_digest(rel, hashlib.sha256(b"").hexdigest(), expected)
+                yield memoryview(bytearray())
                 return
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                view = memoryview(mapped)
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            view = memoryview(mapped)
+            digest: list[str] = []
+            hasher = None
+            if self.check_sha:
+                hasher = threading.Thread(
+                    target=lambda: digest.append(hashlib.sha256(view).hexdigest()),
+                    name="raycheckpoint-load-hash", daemon=True)
+                hasher.start()
+            try:
+                yield view
+            except BaseException:
+                if hasher is not None:
+                    hasher.join()
+                    if digest and digest[0] != expected.sha256:
+                        check_digest(rel, digest[0], expected)  # raises, with e as context
+                raise
+            else:
+                if hasher is not None:
+                    hasher.join()
+                    if not digest:
+                        raise IntegrityError(f"{rel}: could not hash the file", path=rel)
+                    check_digest(rel, digest[0], expected)
+            finally:
+                if hasher is not None:
+                    hasher.join()
                 try:
-                    verify_bytes(rel, view, self.expected.get(rel), check_sha=self.check_sha)
-                    yield view
-                finally:
                     view.release()
+                    mapped.close()
+                except BufferError:
+                    # a tensor viewing the mapping is still referenced (by a traceback);
+                    # the mapping closes when that goes
+                    pass
 
     def reset(self, checkpoint_id=None) -> None:
         self.storage_data = {}

@@ -19,18 +19,25 @@ CHUNK_BYTES = 8 << 20
 def verify_bytes(rel: str, data: bytes | memoryview, expected: FileEntry | None,
                  *, check_sha: bool) -> None:
     """Raise IntegrityError unless ``data`` is the file the manifest lists as ``rel``."""
+    check_size(rel, len(data), expected)
+    if check_sha:
+        check_digest(rel, hashlib.sha256(data).hexdigest(), expected)
+
+
+def check_size(rel: str, size: int, expected: FileEntry | None) -> FileEntry:
+    """Raise IntegrityError unless ``rel`` is listed with this ``size``; returns its entry."""
     if expected is None:
         raise IntegrityError(f"{rel}: not listed in the checkpoint's manifest; refusing to read it",
                              path=rel)
-    if len(data) != expected.size:
+    if size != expected.size:
         raise IntegrityError(
-            f"{rel}: size {len(data)} bytes, manifest says {expected.size} (truncated or "
+            f"{rel}: size {size} bytes, manifest says {expected.size} (truncated or "
             "overwritten file)", path=rel)
-    if check_sha:
-        _check_digest(rel, hashlib.sha256(data).hexdigest(), expected)
+    return expected
 
 
-def _check_digest(rel: str, digest: str, expected: FileEntry) -> None:
+def check_digest(rel: str, digest: str, expected: FileEntry) -> None:
+    """Raise IntegrityError unless ``digest`` (sha256 hex) is the manifest's."""
     if digest != expected.sha256:
         raise IntegrityError(
             f"{rel}: sha256 {digest[:16]}... does not match the manifest's "
@@ -55,7 +62,5 @@ def verify_file(storage: Storage, rel: str, expected: FileEntry | None,
                     progress(len(chunk))
     except FileNotFoundError as e:
         raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
-    if size != expected.size:
-        raise IntegrityError(f"{rel}: size {size} bytes, manifest says {expected.size} (truncated "
-                             "or overwritten file)", path=rel)
-    _check_digest(rel, h.hexdigest(), expected)
+    check_size(rel, size, expected)
+    check_digest(rel, h.hexdigest(), expected)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import pickle
 import re
 
 import pytest
@@ -10,7 +12,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from raycheckpoint import IntegrityError
-from raycheckpoint.dcp_io import HashingStorageWriter, VerifyingStorageReader, load_verified
+from raycheckpoint.dcp_io import (
+    HashingStorageWriter,
+    VerifyingStorageReader,
+    load_record,
+    load_verified,
+)
 from raycheckpoint.storage import Storage
 
 
@@ -95,3 +102,77 @@ def test_prepared_buffers_are_reused_and_restaged_fresh(tmp_path):
     assert staged["optim"]["lr"] == 0.5
     light = saver._stage("light", {"model": state["model"]})  # shares the full buffers
     assert light["model"]["w"].data_ptr() == prepared["model"]["w"].data_ptr()
+
+
+def _record(t: torch.Tensor) -> memoryview:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return memoryview(bytearray(buf.getvalue()))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(37, 11),
+    lambda: torch.randn(5, 7).to(torch.bfloat16),
+    lambda: torch.arange(24, dtype=torch.int64).reshape(4, 6).t(),  # strided
+    lambda: torch.arange(10.0)[3:7],                                # a view: offset into storage
+    lambda: torch.tensor(3.0),
+    lambda: torch.tensor([True, False, True]),
+    lambda: torch.empty(0, 4),
+], ids=["fp32", "bf16", "transposed", "view", "scalar", "bool", "empty"])
+def test_load_record_matches_torch_load_and_views_the_buffer(make):
+    src = make()
+    for _ in range(3):  # the first record is unpickled; equal ones after it use its layout
+        blob = _record(src.clone() if src.is_contiguous() and src.storage_offset() == 0 else src)
+        want = torch.load(io.BytesIO(blob), weights_only=True)
+        got = load_record(blob)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.stride() == want.stride() and got.storage_offset() == want.storage_offset()
+        assert torch.equal(got, want)
+        if got.untyped_storage().nbytes():  # zero-copy: the storage lies inside the record
+            base = torch.frombuffer(blob, dtype=torch.uint8).data_ptr()
+            assert base <= got.untyped_storage().data_ptr() < base + len(blob)
+            del got, want
+
+
+def test_load_record_equal_pickles_with_other_data_read_their_own_bytes():
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    load_record(_record(a))
+    assert torch.equal(load_record(_record(b)), b)  # the cached layout, b's own data
+
+
+def test_load_record_refuses_what_weights_only_refuses():
+    class Evil:
+        def __reduce__(self):
+            return (print, ("unpickled!",))
+
+    buf = io.BytesIO()
+    torch.save({"t": torch.ones(2), "x": Evil()}, buf)
+    with pytest.raises(pickle.UnpicklingError, match="weights-only load refused the record"):
+        load_record(memoryview(bytearray(buf.getvalue())))
+
+
+@pytest.mark.parametrize("check_sha", [True, False])
+def test_every_byte_of_a_data_file_is_checked_while_tensors_load(tmp_path, check_sha):
+    """A data file is hashed beside the tensor copies: a flip anywhere in it (zip headers,
+    pickles, tensor bytes) fails the load naming the file, even where parsing fails first."""
+    storage = Storage(str(tmp_path))
+    expected = _save(storage)
+    path = "step_00000001/actor/__0_0.distcp"
+    clean = storage.read_bytes(path)
+    target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}}
+    reader = VerifyingStorageReader(storage, "step_00000001/actor", expected, check_sha=check_sha)
+    load_verified(target, reader, no_dist=True)
+    assert torch.equal(target["model"]["w"], _state()["model"]["w"])
+    if not check_sha:
+        return
+    header_at = clean.index(b"PK\x03\x04")
+    for at in (header_at + 8, clean.index(b"data.pkl") + 20, len(clean) // 2, len(clean) - 5):
+        bad = bytearray(clean)
+        bad[at] ^= 0xFF
+        storage.write_bytes(path, bytes(bad))
+        reader = VerifyingStorageReader(storage, "step_00000001/actor", expected)
+        with pytest.raises(IntegrityError, match=re.escape(path)) as err:
+            load_verified({"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}}, reader,
+                          no_dist=True)
+        assert err.value.path == path, at
+    storage.write_bytes(path, clean)
