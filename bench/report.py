@@ -22,6 +22,9 @@ def targets(point: dict[str, Any]) -> dict[str, Any]:
         "durable_over_dcp_sync": ratio(ours["durable_s"], (m.get("dcp_sync") or {}).get("durable_s")),
         "reshard_load_throughput_vs_raw_read": ratio(lim["raw_read_s"], ours.get("reshard_load_s")),
         "step_slowdown_during_persist": point.get("step_overhead", {}).get("slowdown"),
+        # stretch: the host copy overlapped with the next forward/backward (overlap_copy)
+        "overlap_stall_over_host_copy": ratio(point.get("step_overhead", {}).get("overlap_stall_s"),
+                                              lim["host_copy_s"]),
     }
     verl = m.get("verl_sync")
     if verl is not None:
@@ -34,7 +37,8 @@ def targets(point: dict[str, Any]) -> dict[str, Any]:
              "durable_over_raw_write": ("<=", 1.2), "durable_over_dcp_sync": ("<=", 1.0),
              "reshard_load_throughput_vs_raw_read": (">=", 0.7),
              "step_slowdown_during_persist": ("<=", 0.10),
-             "verl_ratio_fraction_of_best": (">=", 0.75)}
+             "verl_ratio_fraction_of_best": (">=", 0.75),
+             "overlap_stall_over_host_copy": ("<=", 0.25)}
     out["met"] = {k: (None if out.get(k) is None else
                       (out[k] <= v if op == "<=" else out[k] >= v)) for k, (op, v) in goals.items()}
     return out

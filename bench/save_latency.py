@@ -25,6 +25,7 @@ Times are the maximum over ranks; each figure is the median over ``--repeat`` ro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -250,7 +251,9 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
         log(f"   train step {steps['step_s']:.3f} s alone, {_fmt(steps['step_during_persist_s'])} s "
             f"during a raycheckpoint persist ({_pct(steps['slowdown'])}), "
             f"{_fmt(steps['step_during_dcp_async_s'])} s during a DCP async_save "
-            f"({_pct(steps['dcp_async_slowdown'])})")
+            f"({_pct(steps['dcp_async_slowdown'])}); overlap_copy: blocked "
+            f"{steps['overlap_stall_s']:.3f} s, first step {steps['overlap_first_step_s']:.3f} s "
+            f"({_pct(steps['overlap_first_step_slowdown'])})")
     finally:
         manager.close(TIMEOUT_S)
         ray.get([w.close_stager.remote() for w in group], timeout=TIMEOUT_S)
@@ -285,14 +288,25 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
 def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchStorage,
                   batch: int, seq: int, saves: int = 3) -> dict[str, Any]:
     """A training step alone, and while a background persist runs: raycheckpoint's, and
-    (side by side) DCP ``async_save``'s with a kept stager."""
+    (side by side) DCP ``async_save``'s with a kept stager.
+
+    Then the same saves with ``overlap_copy``: training is blocked for the snapshot call
+    plus what the next optimizer step waits for the copy (``overlap_stall_s``), and that
+    first step (its forward/backward beside the copy) is timed against a step alone.
+    """
     def step() -> float:
         return _max([w.train_step.remote(batch, seq) for w in group])
+
+    def copy_waits() -> list[float]:
+        return [s["copy_wait_s"] for s in
+                ray.get([w.ckpt_status.remote() for w in group], timeout=TIMEOUT_S)]
 
     step()
     alone = [step() for _ in range(5)]
     during: list[float] = []
     during_dcp: list[float] = []
+    overlap_stall: list[float] = []
+    overlap_first_step: list[float] = []
     for i in range(saves):
         manager.update(step=manager.global_step + 1)
         handle = manager.save_checkpoint()
@@ -305,11 +319,27 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
             during_dcp.append(step())
         ray.get([w.wait_async.remote() for w in group], timeout=TIMEOUT_S)
         storage.remove(f"dcp_async_stager/steps{i}")
+    plain = manager.config
+    manager.config = dataclasses.replace(plain, overlap_copy=True)  # read at each save
+    try:
+        for _ in range(saves):
+            manager.update(step=manager.global_step + 1)
+            before = copy_waits()
+            handle = manager.save_checkpoint()
+            overlap_first_step.append(step())
+            waited = max(b - a for a, b in zip(before, copy_waits(), strict=True))
+            overlap_stall.append(handle.stall_s + waited)
+            handle.wait(TIMEOUT_S)
+    finally:
+        manager.config = plain
     alone += [step() for _ in range(5)]
     a, b, c = _median(alone), _median(during), _median(during_dcp)
+    f = _median(overlap_first_step)
     return {"step_s": a, "step_during_persist_s": b, "steps_during_persist": len(during),
             "slowdown": (b / a - 1) if a and b else None,
             "step_during_dcp_async_s": c, "dcp_async_slowdown": (c / a - 1) if a and c else None,
+            "overlap_stall_s": _median(overlap_stall), "overlap_first_step_s": f,
+            "overlap_first_step_slowdown": (f / a - 1) if a and f else None,
             "batch": batch, "seq": seq}
 
 

@@ -75,6 +75,10 @@ class CheckpointConfig:
     # background persist: the nice value of each worker's persist thread (0 keeps the
     # worker's own); training threads win the CPU when a host is short of cores
     persist_nice: int = 10
+    # overlap the host copy with the next step's forward/backward: workers that guard
+    # their optimizer (CheckpointableWorker.ckpt_guard) answer the snapshot before the
+    # copy, and the optimizer step waits for what is left of it
+    overlap_copy: bool = False
 
     # monitoring (see metrics.py): Ray metrics, and warnings on abnormal growth
     publish_metrics: bool = True

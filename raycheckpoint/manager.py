@@ -333,7 +333,8 @@ class CheckpointManager:
         writers = [w for role, ws in self.groups.items() if role not in begun["reused"] for w in ws]
         try:
             snaps = _get([w.ckpt_snapshot.remote(save_id, name, kind, self._coordinator,
-                                                 self.config.save_wait_timeout_s, True)
+                                                 self.config.save_wait_timeout_s, True,
+                                                 self.config.overlap_copy)
                           for w in writers], self.config.save_wait_timeout_s + rpc)
         except BaseException as e:
             self._coordinator.abort.remote(save_id, f"snapshot failed: {type(e).__name__}: {e}")

@@ -14,6 +14,11 @@
 3. On failure the thread keeps the exception (``PendingPersist.error``), reports it to
    the coordinator so the save aborts, and ``PendingPersist.wait()`` re-raises it.
 
+With ``overlap=True`` (``checkpoint.overlap_copy``) step 1 only builds the copy list:
+the host copy itself runs in a thread of its own while training goes on, and
+:meth:`ShardSaver.wait_copied` (called by the worker before its optimizer step, the
+first thing that changes the saved tensors) waits for whatever is left of it.
+
 The saver knows nothing of commits: it writes files and reports them.
 """
 
@@ -59,22 +64,28 @@ def _signature(obj: Any, prefix: str = "") -> list[tuple]:
     return [(prefix, type(obj).__name__)]
 
 
-def _restage(src: Any, buf: Any, *, non_blocking: bool) -> Any:
+def _restage(src: Any, buf: Any, *, non_blocking: bool,
+             deferred: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
     """Copy ``src``'s tensors into the reused buffers ``buf``; copy everything else anew.
 
     Non-tensor leaves (learning rates in optimizer param groups, step counters) change
     between saves too, so they are never taken from the buffers of an earlier save.
+    With ``deferred``, tensor copies are not made but listed there as (destination,
+    source) pairs; the non-tensor leaves are still copied now.
     """
     if isinstance(src, dict):
-        return {k: _restage(v, buf[k], non_blocking=non_blocking) for k, v in src.items()}
+        return {k: _restage(v, buf[k], non_blocking=non_blocking, deferred=deferred)
+                for k, v in src.items()}
     if isinstance(src, (list, tuple)):
-        return type(src)(_restage(v, b, non_blocking=non_blocking)
+        return type(src)(_restage(v, b, non_blocking=non_blocking, deferred=deferred)
                          for v, b in zip(src, buf, strict=True))
-    if isinstance(src, DTensor):
-        buf.to_local().copy_(src.to_local(), non_blocking=non_blocking)
-        return buf
     if isinstance(src, torch.Tensor):
-        buf.copy_(src, non_blocking=non_blocking)
+        dst, source = ((buf.to_local(), src.to_local()) if isinstance(src, DTensor)
+                       else (buf, src))
+        if deferred is not None:
+            deferred.append((dst, source.detach()))
+        else:
+            dst.copy_(source, non_blocking=non_blocking)
         return buf
     return copy.deepcopy(src)
 
@@ -138,6 +149,10 @@ class PendingPersist:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        # the host copy: already made unless the save overlaps it with training
+        self.copied = threading.Event()
+        self.copy_error: BaseException | None = None
+        self.copy_s: float | None = None
 
     def start(self) -> None:
         """Start the background persist (once; later calls do nothing)."""
@@ -175,6 +190,8 @@ class ShardSaver:
         self._buffers: dict[str, tuple[list[tuple], dict[str, Any]]] = {}
         self._planners: dict[str, ReusingSavePlanner] = {}
         self.pending: PendingPersist | None = None
+        self._copy_stream: Any = None
+        self.copy_wait_s = 0.0  # total time callers were blocked in wait_copied()
 
     def _buffers_for(self, kind: str, state: dict[str, Any]) -> dict[str, Any]:
         """The host buffers for ``state``'s structure, allocated on first use."""
@@ -227,17 +244,33 @@ class ShardSaver:
     def snapshot(self, *, save_id: str, step_dir: str, kind: str, state: dict[str, Any],
                  extra: dict[str, Any] | None, coordinator: Any,
                  wait_timeout_s: float = 1800.0,
-                 assets: dict[str, bytes] | None = None, start: bool = True) -> dict[str, Any]:
+                 assets: dict[str, bytes] | None = None, start: bool = True,
+                 overlap: bool = False) -> dict[str, Any]:
         """Stage ``state`` and set up its persist; ``start=False`` defers the persist's start.
 
         Deferring lets the caller answer its RPC before the persist thread (DCP planning is
         Python, holding the GIL in turns) competes with it: ``start_persist`` then starts it.
+        With ``overlap`` the tensors are copied by a thread started here, and the caller
+        must call :meth:`wait_copied` before anything changes them (the optimizer step).
         """
         t0 = time.perf_counter()
         self.wait_previous(wait_timeout_s)
-        staged = self._stage(kind, state)
-        stall_s = time.perf_counter() - t0
         pending = PendingPersist(save_id)
+        if overlap:
+            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+            staged = _restage(state, self._buffers_for(kind, state), non_blocking=self.pin_memory,
+                              deferred=copies)
+            ready = None
+            if self.pin_memory:  # the copy stream waits for the work that produced the state
+                ready = torch.cuda.Event()
+                ready.record()
+            threading.Thread(target=self._copy, args=(pending, copies, ready), daemon=True,
+                             name=f"raycheckpoint-copy-{self.role}-{self.rank}").start()
+        else:
+            staged = self._stage(kind, state)
+            pending.copy_s = time.perf_counter() - t0
+            pending.copied.set()
+        stall_s = time.perf_counter() - t0
         self.pending = pending
         thread = threading.Thread(
             target=self._persist, name=f"raycheckpoint-persist-{self.role}-{self.rank}",
@@ -247,6 +280,46 @@ class ShardSaver:
         if start:
             pending.start()
         return {"stall_s": stall_s, "bytes": tensor_bytes(staged)}
+
+    def _copy(self, pending: PendingPersist, copies: list[tuple[torch.Tensor, torch.Tensor]],
+              ready: Any) -> None:
+        """The host copy of an overlapped save (its own thread; GPU: its own stream)."""
+        t0 = time.perf_counter()
+        try:
+            faults.check("worker.copy", path=f"{self.role}/{self.rank}")
+            if ready is None:
+                for dst, src in copies:
+                    dst.copy_(src)
+            else:
+                if self._copy_stream is None:
+                    self._copy_stream = torch.cuda.Stream()
+                with torch.cuda.stream(self._copy_stream):
+                    self._copy_stream.wait_event(ready)
+                    for dst, src in copies:
+                        dst.copy_(src, non_blocking=True)
+                self._copy_stream.synchronize()
+        except BaseException as e:  # noqa: BLE001 - the persist reports it; the save aborts
+            pending.copy_error = e
+        finally:
+            pending.copy_s = time.perf_counter() - t0
+            pending.copied.set()
+
+    def wait_copied(self, timeout: float | None = None) -> float:
+        """Block until the last save's host copy is complete; returns the seconds blocked.
+
+        A failed copy is not raised here (training goes on; the save aborts and its
+        error comes from the persist).
+        """
+        pending = self.pending
+        if pending is None or pending.copied.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        if not pending.copied.wait(timeout):
+            raise TimeoutError(f"{self.role}/{self.rank}: host copy of save {pending.save_id} "
+                               f"still running after {timeout}s")
+        waited = time.perf_counter() - t0
+        self.copy_wait_s += waited
+        return waited
 
     def start_persist(self, save_id: str) -> None:
         pending = self.pending
@@ -261,6 +334,9 @@ class ShardSaver:
         t0 = time.perf_counter()
         _lower_priority(self.persist_nice)
         try:
+            pending.copied.wait()  # set by the copy thread whatever happens to it
+            if pending.copy_error is not None:
+                raise pending.copy_error
             faults.check("worker.persist", path=f"{self.role}/{self.rank}")
             files = []
             if staged:  # a role without tensors (rollout) saves its extra state only

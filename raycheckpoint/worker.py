@@ -20,6 +20,14 @@ The driver-side :class:`~raycheckpoint.manager.CheckpointManager` calls the
 Call order: ``ckpt_setup`` once, then per save ``ckpt_snapshot`` (returns after the
 host copy) and ``ckpt_start_persist`` (sent once every rank has answered, so no rank's
 answer waits behind its persist thread), and per resume ``ckpt_load``.
+
+Overlapped copy (``checkpoint.overlap_copy``): a worker that calls
+``self.ckpt_guard(optimizer)`` lets ``ckpt_snapshot`` return before its host copy is
+made; the copy runs while the next step's forward and backward do (they read the
+parameters and optimizer state, they do not change them), and the optimizer's step
+waits for what is left of it.  Anything else that changes the saved tensors in place
+(loading weights, an EMA update) must call ``self.ckpt_wait_copy()`` first.  Workers
+that guard no optimizer copy before answering, as without the option.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ class CheckpointableWorker:
     ckpt_rank: int
     ckpt_world_size: int
     _ckpt_saver: ShardSaver | None = None
+    _ckpt_guards: list[Any] | None = None
 
     # ---- hooks a worker implements ------------------------------------------------------
 
@@ -98,10 +107,33 @@ class CheckpointableWorker:
         """Allocate and touch the staging buffers for ``kind`` now; returns their bytes."""
         return self._saver().prepare(kind, self.ckpt_state_dict(kind))
 
+    def ckpt_guard(self, *optimizers: torch.optim.Optimizer) -> None:
+        """Make each optimizer's ``step`` first wait for an overlapped host copy.
+
+        Call once after building the optimizers; it is what allows
+        ``checkpoint.overlap_copy`` on this worker.
+        """
+        def wait_copy(*_: Any) -> None:  # a step pre-hook returns None (arguments unchanged)
+            self.ckpt_wait_copy()
+
+        guards = self._ckpt_guards = self._ckpt_guards or []
+        for optim in optimizers:
+            guards.append(optim.register_step_pre_hook(wait_copy))
+
+    def ckpt_wait_copy(self, timeout: float = 1800.0) -> float:
+        """Wait for an overlapped save's host copy; returns the seconds this blocked."""
+        saver = self._ckpt_saver
+        return 0.0 if saver is None else saver.wait_copied(timeout)
+
     def ckpt_snapshot(self, save_id: str, step_dir: str, kind: str, coordinator: Any,
-                      wait_timeout_s: float = 1800.0, defer_persist: bool = False) -> dict[str, Any]:
+                      wait_timeout_s: float = 1800.0, defer_persist: bool = False,
+                      overlap: bool = False) -> dict[str, Any]:
         """Stage this rank's state; the persist starts now, or with ``defer_persist`` on
-        ``ckpt_start_persist`` (so this call's answer does not wait behind it)."""
+        ``ckpt_start_persist`` (so this call's answer does not wait behind it).
+
+        ``overlap``: on a worker with a guarded optimizer (:meth:`ckpt_guard`), return
+        before the host copy, which then overlaps training up to the optimizer step.
+        """
         t0 = time.perf_counter()
         saver = self._saver()
         saver.wait_previous(wait_timeout_s)  # the host buffers are reused: never overwrite a
@@ -110,9 +142,11 @@ class CheckpointableWorker:
         if kind == "full":
             extra = {"rng": capture_rng(), "state": self.ckpt_extra_state()}
         assets = self.ckpt_assets() if self.ckpt_rank == 0 else None
+        overlap = overlap and bool(self._ckpt_guards)
         out = saver.snapshot(save_id=save_id, step_dir=step_dir, kind=kind, state=state,
                              extra=extra, coordinator=coordinator, wait_timeout_s=wait_timeout_s,
-                             assets=assets, start=not defer_persist)
+                             assets=assets, start=not defer_persist, overlap=overlap)
+        out["overlap"] = overlap
         out["copy_s"] = out["stall_s"]
         out["stall_s"] = time.perf_counter() - t0  # with building the state dict
         return out
@@ -149,7 +183,10 @@ class CheckpointableWorker:
         saver = self._ckpt_saver
         pending = None if saver is None else saver.pending
         return {"last_committed": getattr(self, "ckpt_last_committed", None),
-                "persisting": pending is not None and not pending.done()}
+                "persisting": pending is not None and not pending.done(),
+                "copying": pending is not None and not pending.copied.is_set(),
+                "last_copy_s": None if pending is None else pending.copy_s,
+                "copy_wait_s": 0.0 if saver is None else saver.copy_wait_s}
 
     def ckpt_load(self, request: dict[str, Any]) -> dict[str, Any]:
         """Load this rank's part of a verified checkpoint (resharding if world size changed).

@@ -53,6 +53,7 @@ class ShardedModelWorker(CheckpointableWorker):
             self.sched = torch.optim.lr_scheduler.LinearLR(
                 self.optim, start_factor=1.0, end_factor=optim.get("end_factor", 0.1),
                 total_iters=max(1, optim.get("total_steps", 1000)))
+            self.ckpt_guard(self.optim)  # allows checkpoint.overlap_copy
         else:
             self.net.requires_grad_(False)
             self.net.eval()
