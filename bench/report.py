@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+# the issue's targets: (comparison, goal) per ratio
+_GOALS = {"stall_over_host_copy": ("<=", 1.3), "stall_over_dcp_async": ("<=", 1.0),
+          "durable_over_raw_write": ("<=", 1.2), "durable_over_dcp_sync": ("<=", 1.0),
+          "reshard_load_throughput_vs_raw_read": (">=", 0.7),
+          "step_slowdown_during_persist": ("<=", 0.10),
+          "verl_ratio_fraction_of_best": (">=", 0.75),
+          "overlap_stall_over_host_copy": ("<=", 0.25)}
+
 
 def targets(point: dict[str, Any]) -> dict[str, Any]:
     """The issue's targets as ratios of this point's medians (None where not measured)."""
@@ -33,14 +41,8 @@ def targets(point: dict[str, Any]) -> dict[str, Any]:
         out["verl_stall_ratio"] = achieved
         out["verl_best_ratio"] = best
         out["verl_ratio_fraction_of_best"] = ratio(achieved, best)
-    goals = {"stall_over_host_copy": ("<=", 1.3), "stall_over_dcp_async": ("<=", 1.0),
-             "durable_over_raw_write": ("<=", 1.2), "durable_over_dcp_sync": ("<=", 1.0),
-             "reshard_load_throughput_vs_raw_read": (">=", 0.7),
-             "step_slowdown_during_persist": ("<=", 0.10),
-             "verl_ratio_fraction_of_best": (">=", 0.75),
-             "overlap_stall_over_host_copy": ("<=", 0.25)}
     out["met"] = {k: (None if out.get(k) is None else
-                      (out[k] <= v if op == "<=" else out[k] >= v)) for k, (op, v) in goals.items()}
+                      (out[k] <= v if op == "<=" else out[k] >= v)) for k, (op, v) in _GOALS.items()}
     return out
 
 
@@ -48,8 +50,8 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:+.1%}"
+def _pct(v: float | None, spec: str = "+.1%") -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def table(point: dict[str, Any]) -> str:
@@ -119,3 +121,78 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+_GOAL_TEXT = {"<=": "\u2264", ">=": "\u2265"}
+_TIMES, _DASH, _MISSED = "\u00d7", "\u2013", " \u2717"  # as bench/README.md writes them
+
+
+def _point_title(point: dict[str, Any]) -> str:
+    c = point["config"]
+    return (f"{c['ranks']} ranks {_TIMES} {c['bytes_per_rank'] / 1e6:.0f} MB per rank "
+            f"({c['bytes'] / 1e6:.0f} MB, {c['tensors_per_rank']} tensors per rank, "
+            f"{c['storage']}, median of {c['repeat']})")
+
+
+def markdown(points: list[dict[str, Any]]) -> str:
+    """The tables of ``bench/README.md`` for one results.json's points."""
+    out: list[str] = []
+    for point in points:
+        lim = point["limits"]
+        out += [f"**{_point_title(point)}**", "",
+                "| method | stall s | durable s | load s | reshard load s (→ R/2) | durable GB/s "
+                "| stall ÷ host copy |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for name, row in point["methods"].items():
+            out.append(f"| {name} | {_fmt(row['stall_s'])} | {_fmt(row['durable_s'])} | "
+                       f"{_fmt(row['load_s'])} | "
+                       f"{_fmt(row['reshard_load_s']).replace('-', _DASH)} | "
+                       f"{_fmt(row['durable_gb_s'], '.2f')} | "
+                       f"{row['stall_s'] / lim['host_copy_s']:.1f} |")
+        write_gb_s = point["config"]["bytes"] / lim["raw_write_fsync_s"] / 1e9
+        out += [f"| *limit: host copy* | {_fmt(lim['host_copy_s'])} | | | | | 1.0 |",
+                f"| *limit: write + fsync* | | {_fmt(lim['raw_write_fsync_s'])} | | | "
+                f"{write_gb_s:.2f} | |",
+                f"| *limit: read* | | | {_fmt(lim['raw_read_s'])} | | | |", ""]
+        s = point.get("step_overhead") or {}
+        line = f"Host copy into fresh memory: {_fmt(lim['host_copy_fresh_s'])} s."
+        if s:
+            line += (f" Training step {_fmt(s['step_s'])} s alone, "
+                     f"{_fmt(s['step_during_persist_s'])} s beside a raycheckpoint persist "
+                     f"({_pct(s['slowdown'], '+.0%')}), "
+                     f"{_fmt(s['step_during_dcp_async_s'])} s beside a DCP async_save "
+                     f"({_pct(s['dcp_async_slowdown'], '+.0%')}).")
+            if s.get("overlap_stall_s") is not None:
+                line += (f" With `overlap_copy`: training blocked {_fmt(s['overlap_stall_s'])} s "
+                         f"({s['overlap_stall_s'] / lim['host_copy_s']:.2f}{_TIMES} the host copy), "
+                         f"the step beside the copy {_fmt(s['overlap_first_step_s'])} s "
+                         f"({_pct(s['overlap_first_step_slowdown'], '+.0%')}).")
+        out += [line, ""]
+    heads = [f"{p['config']['ranks']}{_TIMES}{p['config']['bytes_per_rank'] / 1e6:.0f} MB" for p in points]
+    out += ["| target | goal | " + " | ".join(heads) + " |",
+            "|---|---|" + "---:|" * len(points)]
+    for key, (op, goal) in _GOALS.items():
+        cells = []
+        for p in points:
+            t = p.get("targets") or targets(p)
+            v, met = t.get(key), (t.get("met") or {}).get(key)
+            cells.append(_DASH if v is None else f"{v:.2f}" + (_MISSED if met is False else ""))
+        out.append(f"| {key} | {_GOAL_TEXT[op]} {goal:g} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description="Print bench/README.md's tables for results.json files.")
+    p.add_argument("results", nargs="+", help="results.json written by bench.save_latency --out")
+    args = p.parse_args(argv)
+    for path in args.results:
+        with open(path) as f:
+            doc = json.load(f)
+        print(markdown(doc.get("points") or [doc]))
+        print()
+
+
+if __name__ == "__main__":
+    main()
