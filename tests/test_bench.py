@@ -45,7 +45,13 @@ def test_save_latency_bench_runs_every_method_and_writes_results(ray_session, tm
             assert row["reshard_load_s"] > 0, name
     assert all(saved["limits"][k] > 0 for k in ("host_copy_s", "raw_write_fsync_s", "raw_read_s"))
     assert saved["step_overhead"]["steps_during_persist"] >= 1
-    assert set(saved["targets"]["met"]) >= {"stall_over_host_copy", "durable_over_raw_write"}
+    assert saved["step_overhead"]["overlap_stall_s"] > 0  # overlap_copy measured too
+    assert set(saved["targets"]["met"]) >= {"stall_over_host_copy", "durable_over_raw_write",
+                                            "overlap_stall_over_host_copy"}
+    from bench.report import markdown
+
+    tables = markdown([saved])
+    assert all(f"| {m} |" in tables for m in METHODS) and "| overlap_stall_over_host_copy |" in tables
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert results["points"][0]["config"] == saved["config"]
     # everything it wrote is gone
