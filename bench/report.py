@@ -164,8 +164,12 @@ def markdown(points: list[dict[str, Any]]) -> str:
             if s.get("overlap_stall_s") is not None:
                 line += (f" With `overlap_copy`: training blocked {_fmt(s['overlap_stall_s'])} s "
                          f"({s['overlap_stall_s'] / lim['host_copy_s']:.2f}{_TIMES} the host copy), "
-                         f"the step beside the copy {_fmt(s['overlap_first_step_s'])} s "
-                         f"({_pct(s['overlap_first_step_slowdown'], '+.0%')}).")
+                         f"the first step after the save (beside the copy and the persist) "
+                         f"{_fmt(s['overlap_first_step_s'])} s "
+                         f"({_pct(s['overlap_first_step_slowdown'], '+.0%')})")
+                plain = s.get("first_step_after_save_s")
+                line += ("." if plain is None else
+                         f"; without it the first step after a save took {_fmt(plain)} s.")
         out += [line, ""]
     heads = [f"{p['config']['ranks']}{_TIMES}{p['config']['bytes_per_rank'] / 1e6:.0f} MB" for p in points]
     out += ["| target | goal | " + " | ".join(heads) + " |",

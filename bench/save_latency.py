@@ -251,7 +251,8 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
         log(f"   train step {steps['step_s']:.3f} s alone, {_fmt(steps['step_during_persist_s'])} s "
             f"during a raycheckpoint persist ({_pct(steps['slowdown'])}), "
             f"{_fmt(steps['step_during_dcp_async_s'])} s during a DCP async_save "
-            f"({_pct(steps['dcp_async_slowdown'])}); overlap_copy: blocked "
+            f"({_pct(steps['dcp_async_slowdown'])}); first step after a save "
+            f"{_fmt(steps['first_step_after_save_s'])} s; overlap_copy: blocked "
             f"{steps['overlap_stall_s']:.3f} s, first step {steps['overlap_first_step_s']:.3f} s "
             f"({_pct(steps['overlap_first_step_slowdown'])})")
     finally:
@@ -304,6 +305,7 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
     step()
     alone = [step() for _ in range(5)]
     during: list[float] = []
+    first_after_save: list[float] = []  # the step right after a save, beside its persist
     during_dcp: list[float] = []
     overlap_stall: list[float] = []
     overlap_first_step: list[float] = []
@@ -312,6 +314,8 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
         handle = manager.save_checkpoint()
         while not handle.done():
             during.append(step())
+            if len(first_after_save) <= i:
+                first_after_save.append(during[-1])
         handle.wait(TIMEOUT_S)
         url = storage.url(f"dcp_async_stager/steps{i}")
         ray.get([w.start_async.remote(url) for w in group], timeout=TIMEOUT_S)
@@ -338,6 +342,7 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
     return {"step_s": a, "step_during_persist_s": b, "steps_during_persist": len(during),
             "slowdown": (b / a - 1) if a and b else None,
             "step_during_dcp_async_s": c, "dcp_async_slowdown": (c / a - 1) if a and c else None,
+            "first_step_after_save_s": _median(first_after_save),
             "overlap_stall_s": _median(overlap_stall), "overlap_first_step_s": f,
             "overlap_first_step_slowdown": (f / a - 1) if a and f else None,
             "batch": batch, "seq": seq}
