@@ -204,6 +204,7 @@ class _BenchRank(CheckpointableWorker):
     def _tensors(self) -> list[torch.Tensor]:
         return [t for _, t in sorted(_local_tensors(self.state()).items())]
 
+    @torch.no_grad()  # a bare copy: no autograd bookkeeping for parameters that need grad
     def host_copy(self, fresh: bool = False) -> float:
         """Copy this rank's state into preallocated (or, with ``fresh``, new) host memory."""
         src = self._tensors()

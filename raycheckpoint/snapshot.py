@@ -218,9 +218,10 @@ class ShardSaver:
         memory already touched); paying it here keeps it out of training's blocked time.
         Returns the bytes prepared.
         """
-        buffers = self._buffers_for(kind, state)
-        _touch(buffers)
-        return tensor_bytes(buffers)
+        with torch.no_grad():
+            buffers = self._buffers_for(kind, state)
+            _touch(buffers)
+            return tensor_bytes(buffers)
 
     def _stage(self, kind: str, state: dict[str, Any]) -> dict[str, Any]:
         staged = _restage(state, self._buffers_for(kind, state), non_blocking=self.pin_memory)
@@ -255,6 +256,14 @@ class ShardSaver:
         """
         t0 = time.perf_counter()
         self.wait_previous(wait_timeout_s)
+        with torch.no_grad():  # DTensor.to_local() is a plain attribute read, not an autograd op
+            return self._snapshot(t0, save_id=save_id, step_dir=step_dir, kind=kind, state=state,
+                                  extra=extra, coordinator=coordinator, assets=assets, start=start,
+                                  overlap=overlap)
+
+    def _snapshot(self, t0: float, *, save_id: str, step_dir: str, kind: str,
+                  state: dict[str, Any], extra: dict[str, Any] | None, coordinator: Any,
+                  assets: dict[str, bytes] | None, start: bool, overlap: bool) -> dict[str, Any]:
         pending = PendingPersist(save_id)
         if overlap:
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []

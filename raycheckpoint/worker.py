@@ -137,7 +137,8 @@ class CheckpointableWorker:
         t0 = time.perf_counter()
         saver = self._saver()
         saver.wait_previous(wait_timeout_s)  # the host buffers are reused: never overwrite a
-        state = self.ckpt_state_dict(kind)   # copy that is still being written
+        with torch.no_grad():                # copy that is still being written
+            state = self.ckpt_state_dict(kind)
         extra = None
         if kind == "full":
             extra = {"rng": capture_rng(), "state": self.ckpt_extra_state()}
