@@ -381,22 +381,16 @@ class VerifyingStorageReader(StorageReader):
                     name="raycheckpoint-load-hash", daemon=True)
                 hasher.start()
             try:
-                yield view
-            except BaseException:
-                if hasher is not None:
-                    hasher.join()
-                    if digest and digest[0] != expected.sha256:
-                        check_digest(rel, digest[0], expected)  # raises, with e as context
-                raise
-            else:
-                if hasher is not None:
-                    hasher.join()
-                    if not digest:
-                        raise IntegrityError(f"{rel}: could not hash the file", path=rel)
-                    check_digest(rel, digest[0], expected)
+                try:
+                    yield view
+                finally:
+                    if hasher is not None:
+                        hasher.join()  # the view is in use until the hash is done
+                        if digest:  # a mismatch wins over what the caller raised on the bytes
+                            check_digest(rel, digest[0], expected)
+                if hasher is not None and not digest:
+                    raise IntegrityError(f"{rel}: could not hash the file", path=rel)
             finally:
-                if hasher is not None:
-                    hasher.join()
                 try:
                     view.release()
                     mapped.close()

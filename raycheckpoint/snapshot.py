@@ -64,28 +64,22 @@ def _signature(obj: Any, prefix: str = "") -> list[tuple]:
     return [(prefix, type(obj).__name__)]
 
 
-def _restage(src: Any, buf: Any, *, non_blocking: bool,
-             deferred: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
-    """Copy ``src``'s tensors into the reused buffers ``buf``; copy everything else anew.
+def _restage(src: Any, buf: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """``src``'s structure over the reused buffers ``buf``, its tensor copies listed in ``copies``.
 
-    Non-tensor leaves (learning rates in optimizer param groups, step counters) change
-    between saves too, so they are never taken from the buffers of an earlier save.
-    With ``deferred``, tensor copies are not made but listed there as (destination,
-    source) pairs; the non-tensor leaves are still copied now.
+    The tensor copies are not made here: each is appended to ``copies`` as a (destination,
+    source) pair, for :meth:`ShardSaver._copy` to make now or beside training.  Non-tensor
+    leaves (learning rates in optimizer param groups, step counters) change between saves
+    too, so they are copied anew now, never taken from the buffers of an earlier save.
     """
     if isinstance(src, dict):
-        return {k: _restage(v, buf[k], non_blocking=non_blocking, deferred=deferred)
-                for k, v in src.items()}
+        return {k: _restage(v, buf[k], copies) for k, v in src.items()}
     if isinstance(src, (list, tuple)):
-        return type(src)(_restage(v, b, non_blocking=non_blocking, deferred=deferred)
-                         for v, b in zip(src, buf, strict=True))
+        return type(src)(_restage(v, b, copies) for v, b in zip(src, buf, strict=True))
     if isinstance(src, torch.Tensor):
         dst, source = ((buf.to_local(), src.to_local()) if isinstance(src, DTensor)
                        else (buf, src))
-        if deferred is not None:
-            deferred.append((dst, source.detach()))
-        else:
-            dst.copy_(source, non_blocking=non_blocking)
+        copies.append((dst, source.detach()))
         return buf
     return copy.deepcopy(src)
 
@@ -223,10 +217,34 @@ class ShardSaver:
             _touch(buffers)
             return tensor_bytes(buffers)
 
-    def _stage(self, kind: str, state: dict[str, Any]) -> dict[str, Any]:
-        staged = _restage(state, self._buffers_for(kind, state), non_blocking=self.pin_memory)
+    def _plan_stage(self, kind: str, state: dict[str, Any]) -> tuple[dict[str, Any], list, Any]:
+        """The staged structure, its tensor copies still to make, and (GPU) the event the
+        copies must wait for: the training stream's work that produced the state."""
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged = _restage(state, self._buffers_for(kind, state), copies)
+        ready = None
         if self.pin_memory:
-            torch.cuda.synchronize()
+            ready = torch.cuda.Event()
+            ready.record()
+        return staged, copies, ready
+
+    def _copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]], ready: Any) -> None:
+        """Make the host copies (GPU: on a stream of its own, after ``ready``)."""
+        if ready is None:
+            for dst, src in copies:
+                dst.copy_(src)
+            return
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(ready)
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+        self._copy_stream.synchronize()
+
+    def _stage(self, kind: str, state: dict[str, Any]) -> dict[str, Any]:
+        staged, copies, ready = self._plan_stage(kind, state)
+        self._copy(copies, ready)
         return staged
 
     def wait_previous(self, timeout: float) -> None:
@@ -242,6 +260,7 @@ class ShardSaver:
                 f"{self.role}/{self.rank}: previous save {self.pending.save_id} still persisting "
                 f"after {timeout}s")
 
+    @torch.no_grad()  # DTensor.to_local() is then a plain attribute read, not an autograd op
     def snapshot(self, *, save_id: str, step_dir: str, kind: str, state: dict[str, Any],
                  extra: dict[str, Any] | None, coordinator: Any,
                  wait_timeout_s: float = 1800.0,
@@ -256,28 +275,15 @@ class ShardSaver:
         """
         t0 = time.perf_counter()
         self.wait_previous(wait_timeout_s)
-        with torch.no_grad():  # DTensor.to_local() is a plain attribute read, not an autograd op
-            return self._snapshot(t0, save_id=save_id, step_dir=step_dir, kind=kind, state=state,
-                                  extra=extra, coordinator=coordinator, assets=assets, start=start,
-                                  overlap=overlap)
-
-    def _snapshot(self, t0: float, *, save_id: str, step_dir: str, kind: str,
-                  state: dict[str, Any], extra: dict[str, Any] | None, coordinator: Any,
-                  assets: dict[str, bytes] | None, start: bool, overlap: bool) -> dict[str, Any]:
         pending = PendingPersist(save_id)
         if overlap:
-            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-            staged = _restage(state, self._buffers_for(kind, state), non_blocking=self.pin_memory,
-                              deferred=copies)
-            ready = None
-            if self.pin_memory:  # the copy stream waits for the work that produced the state
-                ready = torch.cuda.Event()
-                ready.record()
-            threading.Thread(target=self._copy, args=(pending, copies, ready), daemon=True,
-                             name=f"raycheckpoint-copy-{self.role}-{self.rank}").start()
+            staged, copies, ready = self._plan_stage(kind, state)
+            threading.Thread(target=self._copy_beside_training, args=(pending, copies, ready),
+                             daemon=True, name=f"raycheckpoint-copy-{self.role}-{self.rank}").start()
         else:
+            t_copy = time.perf_counter()
             staged = self._stage(kind, state)
-            pending.copy_s = time.perf_counter() - t0
+            pending.copy_s = time.perf_counter() - t_copy
             pending.copied.set()
         stall_s = time.perf_counter() - t0
         self.pending = pending
@@ -290,23 +296,13 @@ class ShardSaver:
             pending.start()
         return {"stall_s": stall_s, "bytes": tensor_bytes(staged)}
 
-    def _copy(self, pending: PendingPersist, copies: list[tuple[torch.Tensor, torch.Tensor]],
-              ready: Any) -> None:
-        """The host copy of an overlapped save (its own thread; GPU: its own stream)."""
+    def _copy_beside_training(self, pending: PendingPersist,
+                              copies: list[tuple[torch.Tensor, torch.Tensor]], ready: Any) -> None:
+        """The host copy of an overlapped save, in a thread of its own."""
         t0 = time.perf_counter()
         try:
             faults.check("worker.copy", path=f"{self.role}/{self.rank}")
-            if ready is None:
-                for dst, src in copies:
-                    dst.copy_(src)
-            else:
-                if self._copy_stream is None:
-                    self._copy_stream = torch.cuda.Stream()
-                with torch.cuda.stream(self._copy_stream):
-                    self._copy_stream.wait_event(ready)
-                    for dst, src in copies:
-                        dst.copy_(src, non_blocking=True)
-                self._copy_stream.synchronize()
+            self._copy(copies, ready)
         except BaseException as e:  # noqa: BLE001 - the persist reports it; the save aborts
             pending.copy_error = e
         finally:

@@ -8,6 +8,7 @@ guard prevents.  The Ray test saves, trains on, commits and resumes through the 
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -47,7 +48,7 @@ class _Worker(CheckpointableWorker):
 
     def snapshot_and_step(self) -> tuple[dict, dict, float]:
         """Save with overlap (its persist never started), then one training step."""
-        at_save = _clone(self.ckpt_state_dict("full"))
+        at_save = copy.deepcopy(self.ckpt_state_dict("full"))
         out = self.ckpt_snapshot("s", "step_00000001", "full", coordinator=None,
                                  defer_persist=True, overlap=True)
         t0 = time.perf_counter()
@@ -56,14 +57,6 @@ class _Worker(CheckpointableWorker):
 
     def staged(self) -> dict:
         return self._saver()._buffers["full"][1]
-
-
-def _clone(obj):
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone(v) for v in obj]
-    return obj.clone() if isinstance(obj, torch.Tensor) else obj
 
 
 def _tensors_equal(a, b) -> bool:
