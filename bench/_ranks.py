@@ -93,7 +93,7 @@ def digest(state: dict[str, Any]) -> str:
     h = hashlib.sha256()
     for path, t in sorted(_local_tensors(state).items()):
         h.update(path.encode())
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 
@@ -120,18 +120,28 @@ def drop_page_cache(path: str) -> None:
 class _BenchRank(CheckpointableWorker):
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str,
                  master_port: int, timeout_s: float = 600.0, d: int, n_layers: int = N_LAYERS,
-                 vocab: int = VOCAB, storage_options: dict[str, Any] | None = None) -> None:
+                 vocab: int = VOCAB, storage_options: dict[str, Any] | None = None,
+                 device: str = "cpu") -> None:
         self.role, self.rank, self.world_size = role, rank, world_size
         self.options = dict(storage_options or {})
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"rank {rank}: --device cuda, but this rank sees no GPU "
+                                   "(give each rank one: --worker-resources '{\"GPU\": 1}')")
+            # Ray hands each rank its GPU through CUDA_VISIBLE_DEVICES: it is device 0
+            torch.cuda.set_device(self.device.index or 0)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         init_process_group(rank=rank, world_size=world_size, master_addr=master_addr,
-                           master_port=master_port, timeout_s=timeout_s)
+                           master_port=master_port, timeout_s=timeout_s,
+                           backend="cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo")
         with torch.device("meta"):
             self.net = BenchLM(d, n_layers, vocab)
-        mesh = init_device_mesh("cpu", (world_size,))
+        mesh = init_device_mesh(self.device.type, (world_size,))
         for block in self.net.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self.net, mesh=mesh)
-        self.net.to_empty(device="cpu")
+        self.net.to_empty(device=self.device)
         g = torch.Generator().manual_seed(1234 + rank)
         with torch.no_grad():
             for p in self.net.parameters():
@@ -150,19 +160,23 @@ class _BenchRank(CheckpointableWorker):
 
     def ready(self) -> dict[str, Any]:
         return {"rank": self.rank, "bytes": self.state_bytes(),
-                "tensors": len(_local_tensors(self.state()))}
+                "tensors": len(_local_tensors(self.state())), "device": str(self.device),
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "placement_group": ray.get_runtime_context().get_placement_group_id()}
 
     # ---- training and state -------------------------------------------------------------
 
     def train_step(self, batch: int, seq: int) -> float:
         t0 = time.perf_counter()
         g = torch.Generator().manual_seed(self.rank)
-        tokens = torch.randint(0, self.vocab, (batch, seq + 1), generator=g)
+        tokens = torch.randint(0, self.vocab, (batch, seq + 1), generator=g).to(self.device)
         logits = self.net(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
         self.optim.zero_grad(set_to_none=True)
         loss.backward()
         self.optim.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     def state(self) -> dict[str, Any]:
@@ -206,26 +220,34 @@ class _BenchRank(CheckpointableWorker):
 
     @torch.no_grad()  # a bare copy: no autograd bookkeeping for parameters that need grad
     def host_copy(self, fresh: bool = False) -> float:
-        """Copy this rank's state into preallocated (or, with ``fresh``, new) host memory."""
+        """Copy this rank's state into preallocated (or, with ``fresh``, new) host memory.
+
+        On a GPU: device-to-host into pinned buffers, one stream, waited for at the end.
+        """
         src = self._tensors()
+        cuda = self.device.type == "cuda"
         if fresh:
             dist.barrier()
             t0 = time.perf_counter()
-            copies = [torch.empty_like(t).copy_(t) for t in src]
+            copies = [torch.empty_like(t, device="cpu").copy_(t) for t in src]
             elapsed = time.perf_counter() - t0
             del copies
             return elapsed
-        if self._copy_buffers is None:
-            self._copy_buffers = [torch.zeros_like(t) for t in src]  # allocated and touched
+        if self._copy_buffers is None:  # allocated and touched
+            self._copy_buffers = [torch.zeros_like(t, device="cpu", pin_memory=cuda) for t in src]
         dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         for buf, t in zip(self._copy_buffers, src, strict=True):
-            buf.copy_(t)
+            buf.copy_(t, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     def _raw_buffer(self) -> memoryview:
         if self._raw is None:
-            self._raw = torch.cat([t.reshape(-1).view(torch.uint8) for t in self._tensors()])
+            self._raw = torch.cat([t.reshape(-1).view(torch.uint8) for t in self._tensors()]).cpu()
         return memoryview(self._raw.numpy()).cast("B")
 
     def raw_write(self, url: str, chunk: int = 8 << 20) -> float:

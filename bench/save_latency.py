@@ -5,6 +5,9 @@
         --repeat 3 --out bench/results/ranks
     python -m bench.save_latency --ranks 2 --bytes-per-rank 64MB --storage moto://   # local S3
     python -m bench.save_latency --virtual-ranks 8,64,256 --storage /tmp/bench
+    # on a Ray cluster (ray up cluster.yaml), one GPU per rank, state on the GPUs:
+    ray job submit --working-dir . -- python -m bench.save_latency --ranks 256 \\
+        --bytes-per-rank 1GB --device cuda --storage s3://BUCKET/bench --out /tmp/bench
 
 Each point (ranks x bytes per rank) builds one FSDP2 group whose ranks hold model +
 AdamW state of that size (a 16-layer decoder; about 580 tensors), then, interleaved in
@@ -34,6 +37,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -43,7 +47,7 @@ from bench._ranks import METHODS, RESHARDS, BenchRank, drop_page_cache, model_di
 from bench.report import _fmt, _pct, plot, table, targets
 from drivers._ray import init_ray
 from raycheckpoint import CheckpointConfig, CheckpointManager
-from workers.group import create_worker_group
+from workers.group import Placement, create_worker_group, place_ranks
 
 TIMEOUT_S = 3600.0
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
@@ -137,14 +141,45 @@ def _max(refs: list[Any]) -> float:
     return max(ray.get(refs, timeout=TIMEOUT_S))
 
 
-def _group(ranks: int, d: int, storage: BenchStorage) -> list[Any]:
-    return create_worker_group(BenchRank, role="actor", world_size=ranks, timeout_s=TIMEOUT_S,
-                               d=d, storage_options=storage.options)
+@dataclass(frozen=True)
+class Where:
+    """Where a point's ranks run and hold their state.
+
+    ``resources`` per rank (e.g. ``{"GPU": 1}``) place the ranks in a placement group (on
+    a cluster, across nodes: the autoscaler starts them); without, on this node.
+    ``device="cuda"`` keeps the state on each rank's GPU (one per rank).
+    """
+
+    device: str = "cpu"
+    resources: dict[str, float] | None = None
+    strategy: str = "PACK"
+
+    def describe(self) -> str:
+        placed = (f", ranks placed by {json.dumps(self.resources)} ({self.strategy})"
+                  if self.resources else "")
+        return f"state on {self.device}{placed}"
 
 
-def _kill(group: list[Any]) -> None:
+def _group(ranks: int, d: int, storage: BenchStorage, where: Where) -> tuple[list[Any], Placement]:
+    if where.resources:
+        print(f"   placing {ranks} ranks, each {json.dumps(where.resources)} ({where.strategy}); "
+              "on a cluster the autoscaler may be starting nodes", flush=True)
+    placement = place_ranks(ranks, resources=where.resources, strategy=where.strategy,
+                            timeout_s=TIMEOUT_S)
+    try:
+        group = create_worker_group(BenchRank, role="actor", world_size=ranks, timeout_s=TIMEOUT_S,
+                                    placement=placement, d=d, storage_options=storage.options,
+                                    device=where.device)
+    except BaseException:
+        placement.remove()
+        raise
+    return group, placement
+
+
+def _kill(group: list[Any], placement: Placement) -> None:
     for w in group:
         ray.kill(w)
+    placement.remove()
 
 
 def _manager(storage: BenchStorage, group: list[Any]) -> CheckpointManager:
@@ -183,20 +218,27 @@ def _perturb(group: list[Any]) -> None:
 
 def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat: int,
               methods: tuple[str, ...] = METHODS, reshard: bool = True, step_batch: int = 4,
-              step_seq: int = 64, log=print) -> dict[str, Any]:
+              step_seq: int = 64, where: Where = Where(), log=print) -> dict[str, Any]:
     d = model_dims(ranks * bytes_per_rank)
-    group = _group(ranks, d, storage)
+    group, placement = _group(ranks, d, storage, where)
     info = ray.get([w.ready.remote() for w in group], timeout=TIMEOUT_S)
     state_bytes = sum(i["bytes"] for i in info)
+    nodes = len({i["node_id"] for i in info})
+    if nodes > 1 and storage.local:
+        log(f"   note: {nodes} nodes share {storage.root}: that must be one shared mount")
     log(f"== {ranks} ranks x {state_bytes / ranks / 1e6:.0f} MB ({info[0]['tensors']} tensors per "
-        f"rank, d_model {d}) on {storage.kind}")
+        f"rank, d_model {d}) on {storage.kind}, {where.describe()}, {nodes} node(s)")
     manager = _manager(storage, group)
     samples: dict[str, dict[str, list[float]]] = {m: {"stall_s": [], "durable_s": [], "load_s": [],
                                                       "stall_worker_s": []} for m in methods}
     result: dict[str, Any] = {"config": {"ranks": ranks, "bytes_per_rank": state_bytes // ranks,
                                          "bytes": state_bytes, "d_model": d,
                                          "tensors_per_rank": info[0]["tensors"],
-                                         "storage": storage.kind, "repeat": repeat}}
+                                         "storage": storage.kind, "repeat": repeat,
+                                         "device": where.device, "nodes": nodes,
+                                         "worker_resources": where.resources,
+                                         "placement_groups": len({i["placement_group"] for i in info
+                                                                  if i["placement_group"]})}}
     try:
         limits = measure_limits(group, storage, repeat)
         log(f"   limits: host copy {limits['host_copy_s']:.3f} s (fresh memory "
@@ -258,11 +300,11 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
     finally:
         manager.close(TIMEOUT_S)
         ray.get([w.close_stager.remote() for w in group], timeout=TIMEOUT_S)
-        _kill(group)
+        _kill(group, placement)
     reshard_s: dict[str, float | None] = {m: None for m in methods}
     if reshard and ranks > 1:
         reshard_s = reshard_loads(ranks // 2, d, storage, methods, ray_name, last_url, full_digest,
-                                  log=log)
+                                  where=where, log=log)
     result["limits"] = limits
     result["methods"] = {}
     for m in methods:
@@ -350,8 +392,8 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
 
 def reshard_loads(ranks: int, d: int, storage: BenchStorage, methods: tuple[str, ...],
                   ray_name: str | None, urls: dict[str, str], full_digest: str,
-                  log=print) -> dict[str, float | None]:
-    group = _group(ranks, d, storage)
+                  where: Where = Where(), log=print) -> dict[str, float | None]:
+    group, placement = _group(ranks, d, storage, where)
     out: dict[str, float | None] = {}
     manager = _manager(storage, group)
     try:
@@ -375,7 +417,7 @@ def reshard_loads(ranks: int, d: int, storage: BenchStorage, methods: tuple[str,
             f"{m} {v:.3f} s" for m, v in out.items() if v is not None))
     finally:
         manager.close(TIMEOUT_S)
-        _kill(group)
+        _kill(group, placement)
     return out
 
 
@@ -395,6 +437,17 @@ def _options(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def _resources(text: str) -> dict[str, float]:
+    try:
+        res = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(res, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in res.items()):
+        raise argparse.ArgumentTypeError(f"expected {{resource: amount}}, got {text!r}")
+    return {k: float(v) for k, v in res.items()}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -411,6 +464,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-reshard", action="store_true", help="skip the R -> R/2 loads")
     p.add_argument("--step-batch", type=int, default=4)
     p.add_argument("--step-seq", type=int, default=64)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where each rank holds its state (cuda: one GPU per rank; the host-copy "
+                        "limit is then a pinned device-to-host copy)")
+    p.add_argument("--worker-resources", type=_resources, default=None, metavar="JSON",
+                   help="resources per rank, e.g. '{\"GPU\": 1}': the ranks get a placement "
+                        "group (on a cluster, across nodes) and meet at rank 0's node; "
+                        "default with --device cuda: {\"GPU\": 1}, else this node")
+    p.add_argument("--placement-strategy", default="PACK",
+                   choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
     p.add_argument("--virtual-ranks", type=_ints, default=None,
                    help="measure commit coordination with this many virtual ranks (comma list)")
     p.add_argument("--virtual-hosts", type=int, default=4,
@@ -423,6 +485,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    resources = args.worker_resources
+    if resources is None and args.device == "cuda":
+        resources = {"GPU": 1}
+    where = Where(device=args.device, resources=resources, strategy=args.placement_strategy)
     storage = BenchStorage(args.storage, _options(args.storage_option))
     started_ray = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
     init_ray()
@@ -439,7 +505,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for size in args.bytes_per_rank:
                     point = run_point(ranks, size, storage, repeat=args.repeat, methods=methods,
                                       reshard=not args.no_reshard, step_batch=args.step_batch,
-                                      step_seq=args.step_seq)
+                                      step_seq=args.step_seq, where=where)
                     print(table(point), flush=True)
                     points.append(point)
             results = {**points[-1], "points": points}

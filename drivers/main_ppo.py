@@ -40,7 +40,7 @@ from raycheckpoint import (
 )
 from raycheckpoint.resume import preflight
 from raycheckpoint.triggers import PreemptionFlag, SaveTriggers
-from workers.group import free_port
+from workers.group import Placement, place_ranks
 from workers.models import BOS, encode
 from workers.roles import CriticWorker, PolicyWorker, RewardWorker
 from workers.rollout import RolloutWorker
@@ -85,10 +85,11 @@ def start_groups(opts: dict[str, Any], world: int) -> dict[str, list[Any]]:
                                           "optim": {"lr": opts["critic.optim.lr"], "total_steps": steps}})
     groups = {}
     for role, (cls, kwargs) in specs.items():  # start every actor first, then wait for all
-        addr, port, placement = place_group(opts, world)
-        groups[role] = [cls.options(num_cpus=opts["trainer.cpus_per_worker"], **placement(r)).remote(
-            role=role, rank=r, world_size=world, master_addr=addr, master_port=port,
-            timeout_s=RPC, **kwargs) for r in range(world)]
+        placement = place_group(opts, world)
+        groups[role] = [cls.options(num_cpus=opts["trainer.cpus_per_worker"],
+                                    **placement.options(r)).remote(
+            role=role, rank=r, world_size=world, master_addr=placement.master_addr,
+            master_port=placement.master_port, timeout_s=RPC, **kwargs) for r in range(world)]
     ready = ray.get([w.ready.remote() for ws in groups.values() for w in ws], timeout=RPC)
     nodes = sorted({r["node_id"] for r in ready})
     print(f"worker groups placed on {len(nodes)} node(s): " + "; ".join(
@@ -97,34 +98,13 @@ def start_groups(opts: dict[str, Any], world: int) -> dict[str, list[Any]]:
     return groups
 
 
-def place_group(opts: dict[str, Any], world: int):
-    """(master address, port, rank -> actor options) for one role's ranks.
-
-    Without ``trainer.worker_resources`` every rank runs where Ray puts it on this node
-    (a local run).  With it, the role gets a placement group of ``world`` bundles (the
-    autoscaler starts nodes for it), and the process group's master is rank 0's node.
-    """
+def place_group(opts: dict[str, Any], world: int) -> Placement:
+    """One role's ranks: on this node, or (``trainer.worker_resources``) in a placement
+    group of ``world`` bundles whose process-group master is rank 0's node."""
     res = opts["trainer.worker_resources"]
     res = json.loads(res) if isinstance(res, str) else dict(res or {})
-    cpus = opts["trainer.cpus_per_worker"]
-    if not res:
-        return "127.0.0.1", free_port(), lambda rank: {}
-    from ray.util.scheduling_strategies import (
-        NodeAffinitySchedulingStrategy,
-        PlacementGroupSchedulingStrategy,
-    )
-
-    bundle = {**res, **({"CPU": cpus} if cpus else {})}
-    pg = ray.util.placement_group([dict(bundle) for _ in range(world)],
-                                  strategy=opts["trainer.placement_strategy"])
-    ray.get(pg.ready(), timeout=RPC)  # may wait for the autoscaler to add nodes
-    node_id = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
-    addr = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
-    port = ray.get(ray.remote(free_port).options(
-        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(),
-        timeout=RPC)
-    return addr, port, lambda rank: {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=rank)}
+    return place_ranks(world, resources=res, num_cpus=opts["trainer.cpus_per_worker"],
+                       strategy=opts["trainer.placement_strategy"], timeout_s=RPC)
 
 
 def fingerprint(opts: dict[str, Any], data_sha: int, rows: int) -> dict[str, Any]:

@@ -99,3 +99,41 @@ def test_a_deferred_persist_never_started_by_the_driver_still_commits(group2, lo
         assert verify_checkpoint(Storage(local_root), "step_00000001")["files"] >= 4
     finally:
         m.close(60)
+
+
+@pytest.mark.long
+def test_bench_places_ranks_by_resources_and_gives_the_placement_back(ray_session, tmp_path):
+    """--worker-resources: every rank (and the resharded group's) runs in a placement group
+    whose master is rank 0's node, the way the same command spreads ranks on a cluster."""
+    from bench.save_latency import main
+
+    before = set(ray.util.placement_group_table())
+    results = main(["--ranks", "2", "--bytes-per-rank", "1MB", "--repeat", "1",
+                    "--methods", "raycheckpoint,dcp_sync", "--storage", str(tmp_path / "store"),
+                    "--step-batch", "1", "--step-seq", "8",
+                    "--worker-resources", '{"CPU": 0.25}', "--placement-strategy", "SPREAD"])
+    config = results["config"]
+    assert config["worker_resources"] == {"CPU": 0.25} and config["device"] == "cpu"
+    assert config["placement_groups"] == 1 and config["nodes"] == 1
+    assert results["methods"]["raycheckpoint"]["reshard_load_s"] > 0  # checked against the state
+    table = ray.util.placement_group_table()
+    made = {pg: info for pg, info in table.items() if pg not in before}
+    assert len(made) == 2  # the point's group and the resharded group's
+    assert all(info["state"] == "REMOVED" for info in made.values()), made
+    assert all(info["strategy"] == "SPREAD" for info in made.values())
+
+
+def test_bench_refuses_a_cuda_rank_without_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from bench._ranks import _BenchRank
+
+    with pytest.raises(RuntimeError, match="sees no GPU"):
+        _BenchRank(role="actor", rank=0, world_size=1, master_addr="127.0.0.1", master_port=1,
+                   d=16, device="cuda")
+    with pytest.raises(SystemExit):
+        from bench.save_latency import main
+
+        main(["--worker-resources", "[1, 2]"])

@@ -1,13 +1,17 @@
-"""Worker groups: W Ray actors forming one gloo process group on 127.0.0.1.
+"""Worker groups: W Ray actors forming one process group.
 
-A "GPU" here is one rank; on CPU each rank is one gloo process.  Every wait has a
-timeout, so a rank that dies cannot leave the others blocked forever.
+A "GPU" here is one rank; on CPU each rank is one gloo process.  Locally the ranks run
+where Ray puts them on this node and meet on 127.0.0.1; with per-rank resources (a
+cluster) they get a placement group and meet at rank 0's node (:func:`place_ranks`).
+Every wait has a timeout, so a rank that dies cannot leave the others blocked forever.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -23,25 +27,85 @@ def free_port() -> int:
 
 
 def init_process_group(*, rank: int, world_size: int, master_addr: str, master_port: int,
-                       timeout_s: float) -> None:
-    """Join this actor's gloo group (one thread per rank: 2 cores are shared by many ranks)."""
+                       timeout_s: float, backend: str = "gloo") -> None:
+    """Join this actor's process group (one thread per rank: 2 cores are shared by many ranks).
+
+    ``backend`` is torch's: ``"gloo"``, or ``"cpu:gloo,cuda:nccl"`` for ranks holding GPU
+    state (FSDP on NCCL, object collectives on gloo).
+    """
     torch.set_num_threads(1)
     if master_addr.startswith("127.") or master_addr == "localhost":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
+@dataclass
+class Placement:
+    """Where one group's ranks run: the process group's master, and each rank's actor options.
+
+    ``remove()`` gives the placement group's resources (GPUs) back to the cluster; the
+    ranks' actors must be gone or going.
+    """
+
+    master_addr: str
+    master_port: int
+    options: Callable[[int], dict[str, Any]] = field(default=lambda rank: {})
+    placement_group: Any = None
+
+    def remove(self) -> None:
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+
+def place_ranks(world_size: int, *, resources: dict[str, float] | None = None,
+                num_cpus: float = 0, strategy: str = "PACK",
+                timeout_s: float = 600.0) -> Placement:
+    """Place ``world_size`` ranks.
+
+    Without ``resources`` every rank runs where Ray puts it on this node (a local run) and
+    the group meets on 127.0.0.1.  With them (per rank, e.g. ``{"GPU": 1}``), the group
+    gets a placement group of ``world_size`` bundles (the autoscaler starts nodes for it:
+    the wait is ``timeout_s``), and the process group's master is rank 0's node, on a
+    port that node reports free.
+    """
+    if not resources:
+        return Placement("127.0.0.1", free_port())
+    from ray.util.scheduling_strategies import (
+        NodeAffinitySchedulingStrategy,
+        PlacementGroupSchedulingStrategy,
+    )
+
+    bundle = {**resources, **({"CPU": num_cpus} if num_cpus else {})}
+    pg = ray.util.placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+        node_id = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
+        addr = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+        port = ray.get(ray.remote(free_port).options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+        ).remote(), timeout=timeout_s)
+    except BaseException:
+        ray.util.remove_placement_group(pg)
+        raise
+    return Placement(addr, port, lambda rank: {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=rank)}, pg)
+
+
 def create_worker_group(worker_cls: Any, *, role: str, world_size: int, timeout_s: float = 120.0,
-                        num_cpus: float = 0, **kwargs: Any) -> list[Any]:
+                        num_cpus: float = 0, placement: Placement | None = None,
+                        **kwargs: Any) -> list[Any]:
     """Start ``world_size`` actors of ``worker_cls`` (a ``ray.remote`` class) as one group.
 
     Each actor receives ``role``, ``rank``, ``world_size``, ``master_addr``, ``master_port``
     and ``timeout_s`` plus ``kwargs``, and must form the process group in ``__init__``.
+    ``placement`` (from :func:`place_ranks`) says where; by default, this node.
     """
-    port = free_port()
-    actors = [worker_cls.options(num_cpus=num_cpus).remote(
-        role=role, rank=rank, world_size=world_size, master_addr="127.0.0.1",
-        master_port=port, timeout_s=timeout_s, **kwargs) for rank in range(world_size)]
+    placement = placement or place_ranks(world_size)
+    actors = [worker_cls.options(num_cpus=num_cpus, **placement.options(rank)).remote(
+        role=role, rank=rank, world_size=world_size, master_addr=placement.master_addr,
+        master_port=placement.master_port, timeout_s=timeout_s, **kwargs)
+        for rank in range(world_size)]
     ray.get([a.ready.remote() for a in actors], timeout=timeout_s)
     return actors
