@@ -36,6 +36,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -67,6 +68,8 @@ from raycheckpoint.integrity import check_digest, check_size, verify_bytes
 from raycheckpoint.storage import FileEntry, Storage
 
 DCP_SUFFIX = ".distcp"
+# what a rank's parallel reads may hold in memory at once where files are not mapped
+PARALLEL_READ_BYTES = 4 << 30
 
 
 def _contiguous_owner(t: torch.Tensor) -> torch.Tensor:
@@ -305,12 +308,13 @@ class VerifyingStorageReader(StorageReader):
     """Reads a DCP directory, checking each file against the manifest before use."""
 
     def __init__(self, storage: Storage, dcp_dir: str, expected: Mapping[str, FileEntry],
-                 *, check_sha: bool = True) -> None:
+                 *, check_sha: bool = True, parallel_files: int = 4) -> None:
         super().__init__()
         self.storage = storage
         self.dcp_dir = dcp_dir.rstrip("/")
         self.expected = expected
         self.check_sha = check_sha
+        self.parallel_files = max(1, parallel_files)
         self.storage_data: dict[Any, Any] = {}
         self._metadata: Metadata | None = None
 
@@ -421,15 +425,40 @@ class VerifyingStorageReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    def _read_file(self, file_name: str, reqs: list, planner: LoadPlanner) -> None:
+        rel = f"{self.dcp_dir}/{file_name}"
+        with self._open_verified(rel) as blob:
+            for req in reqs:
+                self._load_item(rel, blob, req, planner)
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read this rank's items, up to ``parallel_files`` files at once.
+
+        A rank loading into fewer ranks than saved reads several files (two from R to R/2);
+        each is read, hashed and copied out by a thread of its own (reads, sha256 and tensor
+        copies release the GIL), into disjoint parts of the destination tensors.  Every file
+        is finished before this returns; an IntegrityError wins over any other failure.
+        Where a file is read into memory rather than mapped (object stores, encryption), the
+        files in flight together stay within ``PARALLEL_READ_BYTES``.
+        """
         per_file: dict[str, list] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        for file_name, reqs in per_file.items():
-            rel = f"{self.dcp_dir}/{file_name}"
-            with self._open_verified(rel) as blob:
-                for req in reqs:
-                    self._load_item(rel, blob, req, planner)
+        workers = min(self.parallel_files, len(per_file))
+        if workers > 1 and not (self.storage.is_posix and self.storage.cipher is None):
+            largest = max((e.size for e in (self.expected.get(f"{self.dcp_dir}/{name}")
+                                            for name in per_file) if e is not None), default=0)
+            workers = min(workers, max(1, PARALLEL_READ_BYTES // max(largest, 1)))
+        if workers <= 1:
+            for file_name, reqs in per_file.items():
+                self._read_file(file_name, reqs, planner)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="raycheckpoint-load") as pool:
+                futures = [pool.submit(self._read_file, file_name, reqs, planner)
+                           for file_name, reqs in per_file.items()]
+                errors = [e for e in (f.exception() for f in futures) if e is not None]
+            if errors:
+                raise next((e for e in errors if isinstance(e, IntegrityError)), errors[0])
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

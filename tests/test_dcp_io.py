@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import threading
 import zipfile
 
 import pytest
@@ -191,3 +192,80 @@ def test_save_record_skips_only_the_zip_crc():
         data = next(i for i in zf.infolist() if i.filename.endswith("/data/0"))
         assert data.CRC == 0 and data.file_size == src.numel() * 4
         assert "archive/byteorder" in zf.namelist()
+
+
+def _two_file_checkpoint(storage: Storage, d: str) -> tuple[dict, dict]:
+    """A DCP directory whose items lie in two data files, as two saving ranks leave it."""
+    halves = [{"model": {"w": _state()["model"]["w"]}},
+              {"model": {"b": _state()["model"]["b"]}, "optim": {"step": torch.tensor(3.0)}}]
+    expected, metadata = {}, None
+    for i, half in enumerate(halves):
+        writer = HashingStorageWriter(storage, f"part{i}")
+        dcp.save(half, storage_writer=writer, no_dist=True)
+        data = storage.read_bytes(f"part{i}/__0_0.distcp")
+        expected.update({e.path: e for e in [storage.write_bytes(f"{d}/__{i}_0.distcp", data)]})
+        md = pickle.loads(storage.read_bytes(f"part{i}/.metadata"))
+        for info in md.storage_data.values():
+            info.relative_path = f"__{i}_0.distcp"
+        if metadata is None:
+            metadata = md
+        else:
+            metadata.state_dict_metadata.update(md.state_dict_metadata)
+            metadata.storage_data.update(md.storage_data)
+    entry = storage.write_bytes(f"{d}/.metadata", pickle.dumps(metadata))
+    expected[entry.path] = entry
+    source = {"model": dict(halves[0]["model"], **halves[1]["model"]), "optim": halves[1]["optim"]}
+    return expected, source
+
+
+class _RecordingReader(VerifyingStorageReader):
+    """Notes which thread read which file (the reader's own code path, unchanged)."""
+
+    def _read_file(self, file_name, reqs, planner):
+        self.threads[file_name] = threading.current_thread().name
+        return super()._read_file(file_name, reqs, planner)
+
+
+@pytest.mark.parametrize("parallel_files", [1, 4])
+def test_a_rank_reading_several_files_reads_them_at_once(storage, parallel_files):
+    """Loading into fewer ranks than saved, a rank reads several files: each in a thread of
+    its own, with the same result and the same checks as one at a time."""
+    expected, source = _two_file_checkpoint(storage, "multi")
+    target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},
+              "optim": {"step": torch.tensor(0.0)}}
+    reader = _RecordingReader(storage, "multi", expected, parallel_files=parallel_files)
+    reader.threads = {}
+    load_verified(target, reader, no_dist=True)
+    assert torch.equal(target["model"]["w"], source["model"]["w"])
+    assert torch.equal(target["model"]["b"], source["model"]["b"])
+    assert torch.equal(target["optim"]["step"], source["optim"]["step"])
+    assert set(reader.threads) == {"__0_0.distcp", "__1_0.distcp"}
+    pooled = [name for name in reader.threads.values() if name.startswith("raycheckpoint-load")]
+    assert len(pooled) == (2 if parallel_files > 1 else 0)
+
+    path = "multi/__1_0.distcp"  # a flipped byte in one file fails the load, naming it
+    bad = bytearray(storage.read_bytes(path))
+    bad[len(bad) // 2] ^= 0x01
+    storage.write_bytes(path, bytes(bad))
+    reader = VerifyingStorageReader(storage, "multi", expected, parallel_files=parallel_files)
+    with pytest.raises(IntegrityError, match=re.escape(path)):
+        load_verified({"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},
+                       "optim": {"step": torch.tensor(0.0)}}, reader, no_dist=True)
+
+
+def test_files_read_into_memory_in_parallel_stay_within_the_budget(storage, monkeypatch):
+    """Mapped files cost no memory to read at once; files read into memory (object stores,
+    encryption) do, and are read one at a time once two would pass PARALLEL_READ_BYTES."""
+    from raycheckpoint import dcp_io
+
+    expected, source = _two_file_checkpoint(storage, "multi")
+    largest = max(e.size for e in expected.values())
+    monkeypatch.setattr(dcp_io, "PARALLEL_READ_BYTES", 2 * largest - 1)
+    reader = _RecordingReader(storage, "multi", expected, parallel_files=4)
+    reader.threads = {}
+    target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},
+              "optim": {"step": torch.tensor(0.0)}}
+    load_verified(target, reader, no_dist=True)
+    assert torch.equal(target["model"]["w"], source["model"]["w"])
+    pooled = [name for name in reader.threads.values() if name.startswith("raycheckpoint-load")]
+    assert len(pooled) == (2 if storage.is_posix else 0)
