@@ -138,6 +138,10 @@ def test_fake_multinode_autoscaling_with_checkpointing_across_nodes(tmp_path):
     assert "ray.worker.trainer" in status, status
     job6 = (tmp_path / "job6.log").read_text()
     assert "resumed from step_00000004 at step 4" in job6
+    # the benchmark's ranks, placed by --worker-resources, ran on two nodes and checked
+    # every load (a wrong restore stops it)
+    bench = [ln for ln in proc.stdout.splitlines() if ln.startswith("== 2 ranks")]
+    assert len(bench) == 1 and "2 node(s)" in bench[0] and "STRICT_SPREAD" in bench[0], proc.stdout
     root = tmp_path / "checkpoints"
     assert _committed(root) == ["step_00000002", "step_00000004", "step_00000006"]
     # the shards of each role came from ranks on two nodes and verify as one checkpoint

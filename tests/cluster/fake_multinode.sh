@@ -5,7 +5,8 @@
 # every raylet the autoscaler starts ends with the namespace).  The head has no
 # `trainer_slot`, so the autoscaler must add worker nodes for the ranks; STRICT_SPREAD puts the
 # two ranks of each role on different nodes.  Job 1 saves at steps 2 and 4; job 2
-# resumes from step 4 (on nodes scaled up again if the idle ones were removed).
+# resumes from step 4 (on nodes scaled up again if the idle ones were removed).  Then the
+# latency benchmark runs as a job with its ranks placed the same way.
 # Usage: fake_multinode.sh WORK
 set -euo pipefail
 WORK=$1
@@ -32,6 +33,13 @@ for steps in 4 6; do
   grep -E "^worker groups placed|^resumed from|^checkpoint step_" "$WORK/job$steps.log" || true
   ray status --address 127.0.0.1:6379 > "$WORK/status$steps.log" 2>&1 || true
 done
+# the latency benchmark as a job: its two ranks placed by resources on two nodes
+echo "== bench job"
+ray job submit --address http://127.0.0.1:8265 -- python -m bench.save_latency --ranks 2 \
+  --bytes-per-rank 1MB --repeat 1 --methods raycheckpoint,dcp_sync --step-batch 1 --step-seq 8 \
+  --worker-resources '{"trainer_slot": 1}' --placement-strategy STRICT_SPREAD \
+  --storage "$WORK/bench" > "$WORK/bench.log" 2>&1 || { tail -60 "$WORK/bench.log"; exit 1; }
+grep -E "^== 2 ranks" "$WORK/bench.log" || true
 # no `ray stop`: this script is PID 1 of its namespace, and everything the head and the
 # autoscaler started ends with it
 echo "== done"
