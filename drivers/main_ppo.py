@@ -40,7 +40,7 @@ from raycheckpoint import (
 )
 from raycheckpoint.resume import preflight
 from raycheckpoint.triggers import PreemptionFlag, SaveTriggers
-from workers.group import Placement, place_ranks
+from workers.group import Placement, place_ranks, start_ranks
 from workers.models import BOS, encode
 from workers.roles import CriticWorker, PolicyWorker, RewardWorker
 from workers.rollout import RolloutWorker
@@ -85,11 +85,9 @@ def start_groups(opts: dict[str, Any], world: int) -> dict[str, list[Any]]:
                                           "optim": {"lr": opts["critic.optim.lr"], "total_steps": steps}})
     groups = {}
     for role, (cls, kwargs) in specs.items():  # start every actor first, then wait for all
-        placement = place_group(opts, world)
-        groups[role] = [cls.options(num_cpus=opts["trainer.cpus_per_worker"],
-                                    **placement.options(r)).remote(
-            role=role, rank=r, world_size=world, master_addr=placement.master_addr,
-            master_port=placement.master_port, timeout_s=RPC, **kwargs) for r in range(world)]
+        groups[role] = start_ranks(cls, place_group(opts, world), role=role, world_size=world,
+                                   timeout_s=RPC, num_cpus=opts["trainer.cpus_per_worker"],
+                                   **kwargs)
     ready = ray.get([w.ready.remote() for ws in groups.values() for w in ws], timeout=RPC)
     nodes = sorted({r["node_id"] for r in ready})
     print(f"worker groups placed on {len(nodes)} node(s): " + "; ".join(

@@ -93,19 +93,28 @@ def place_ranks(world_size: int, *, resources: dict[str, float] | None = None,
         pg, placement_group_bundle_index=rank)}, pg)
 
 
-def create_worker_group(worker_cls: Any, *, role: str, world_size: int, timeout_s: float = 120.0,
-                        num_cpus: float = 0, placement: Placement | None = None,
-                        **kwargs: Any) -> list[Any]:
-    """Start ``world_size`` actors of ``worker_cls`` (a ``ray.remote`` class) as one group.
+def start_ranks(worker_cls: Any, placement: Placement, *, role: str, world_size: int,
+                timeout_s: float, num_cpus: float = 0, **kwargs: Any) -> list[Any]:
+    """Start ``world_size`` actors of ``worker_cls`` (a ``ray.remote`` class) where
+    ``placement`` says, without waiting for them.
 
     Each actor receives ``role``, ``rank``, ``world_size``, ``master_addr``, ``master_port``
     and ``timeout_s`` plus ``kwargs``, and must form the process group in ``__init__``.
-    ``placement`` (from :func:`place_ranks`) says where; by default, this node.
     """
-    placement = placement or place_ranks(world_size)
-    actors = [worker_cls.options(num_cpus=num_cpus, **placement.options(rank)).remote(
+    return [worker_cls.options(num_cpus=num_cpus, **placement.options(rank)).remote(
         role=role, rank=rank, world_size=world_size, master_addr=placement.master_addr,
         master_port=placement.master_port, timeout_s=timeout_s, **kwargs)
         for rank in range(world_size)]
+
+
+def create_worker_group(worker_cls: Any, *, role: str, world_size: int, timeout_s: float = 120.0,
+                        num_cpus: float = 0, placement: Placement | None = None,
+                        **kwargs: Any) -> list[Any]:
+    """:func:`start_ranks`, then wait until every rank is ready.
+
+    ``placement`` (from :func:`place_ranks`) says where; by default, this node.
+    """
+    actors = start_ranks(worker_cls, placement or place_ranks(world_size), role=role,
+                         world_size=world_size, timeout_s=timeout_s, num_cpus=num_cpus, **kwargs)
     ray.get([a.ready.remote() for a in actors], timeout=timeout_s)
     return actors
