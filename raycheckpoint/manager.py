@@ -495,10 +495,23 @@ class CheckpointManager:
             skipped.extend(r["skipped"])
         return resharded
 
+    def wait_for_cleanup(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """Wait for the clean-up that follows the newest commit; return what it did.
+
+        A save is committed (``handle.wait()`` returns) before retention deletes older
+        checkpoints and leftovers of aborted saves are collected.  Returns
+        ``{"name", "deleted", "collected", "error", "cleanup_s"}``, or None when the newest
+        save did not commit.
+        """
+        rpc = self.config.rpc_timeout_s
+        return _get(self._coordinator.wait_cleanup.remote(timeout),
+                    None if timeout is None else timeout + rpc)
+
     def close(self, timeout: float | None = None) -> None:
-        """Wait for saves in flight, then stop the coordinator actor."""
+        """Wait for saves in flight and their clean-up, then stop the coordinator actor."""
         try:
             self.wait_for_saves(timeout)
+            self.wait_for_cleanup(timeout)
         finally:
             ray.kill(self._coordinator)
             if self._lease is not None:

@@ -44,6 +44,8 @@ POINTS = {
     "coordinator: during retention deletes": ("coordinator", "coordinator.retention_delete"),
     "driver: killed while the save persists": ("driver", ""),
 }
+# deaths after the save committed (during the clean-up that follows it)
+AFTER_COMMIT = {"coordinator.retention_delete"}
 RESULTS: dict[tuple[str, str], str] = {}
 CONFIG = {"keep_last_n": 3, "commit_timeout_s": 20}
 
@@ -126,8 +128,17 @@ def _crash_in_this_driver(root: str, options: dict, who: str, fault: str) -> Non
                     timeout=60)
         train(group, [5])
         m.update(step=5)
-        with pytest.raises(Exception):  # noqa: B017 - the save fails with whatever the death causes
-            m.save_checkpoint().wait(120)
+        if fault in AFTER_COMMIT:
+            # the save committed before the clean-up that dies; its wait may still see the
+            # death, depending on whether the answer left the coordinator first
+            try:
+                m.save_checkpoint().wait(120)
+            except Exception:  # noqa: BLE001 - either outcome is right here
+                pass
+            assert Storage(root, options).exists("step_00000005/COMMITTED")
+        else:
+            with pytest.raises(Exception):  # noqa: B017 - the save fails with whatever the death causes
+                m.save_checkpoint().wait(120)
     finally:
         try:
             m.close(30)

@@ -165,6 +165,35 @@ def test_retention_over_many_saves(group2, local_root):
     assert names2 == {"step_00000024", "step_00000023", "step_00000004"}
 
 
+def test_a_save_is_committed_before_retention_deletes_older_ones(group2, local_root):
+    import ray
+
+    from raycheckpoint._internal import faults
+
+    m = manager(local_root, {"actor": group2}, config={"keep_last_n": 1})
+    st = Storage(local_root)
+    try:
+        m.update(step=1)
+        m.save_checkpoint().wait(120)
+        ray.get(m.coordinator.__ray_call__.remote(
+            lambda self: faults.arm("coordinator.retention_delete", "hang:5")), timeout=60)
+        train(group2, [2])
+        m.update(step=2)
+        result = m.save_checkpoint().wait(120)
+        # committed and visible while the old checkpoint is still being deleted
+        assert result["name"] == "step_00000002" and "deleted" not in result
+        assert st.read_bytes(LATEST).decode().strip() == "step_00000002"
+        assert st.exists(f"step_00000001/{COMMITTED}")
+        cleanup = m.wait_for_cleanup(60)
+        assert cleanup["name"] == "step_00000002" and cleanup["deleted"] == ["step_00000001"]
+        assert cleanup["error"] is None and cleanup["cleanup_s"] >= 5
+        assert not st.exists("step_00000001")
+        assert [e["name"] for e in m.catalog()["checkpoints"]] == ["step_00000002"]
+        assert m.load_checkpoint("latest").step == 2
+    finally:
+        m.close(60)
+
+
 @pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_worker_failure_aborts_and_training_continues(backend, group2, local_root, request):
     root, options = (local_root, {}) if backend == "local" else request.getfixturevalue("s3_root")
@@ -187,6 +216,8 @@ def test_worker_failure_aborts_and_training_continues(backend, group2, local_roo
         train(group2, [5])  # training goes on
         m.update(step=3)
         assert m.save_checkpoint().wait(120)["name"] == "step_00000003"
+        cleanup = m.wait_for_cleanup(60)  # leftovers are collected after the commit
+        assert cleanup["collected"] == ["step_00000002"] and cleanup["error"] is None
         assert not st.exists("step_00000002")  # the aborted save's leftovers were collected
         assert [s["ok"] for s in m.checkpoint_stats] == [True, False, True]
     finally:
@@ -311,6 +342,7 @@ def test_frozen_weights_are_written_once_and_kept_while_referenced(group2, group
             train(group2, [step])
             m.update(step=step)
             m.save_checkpoint().wait(120)
+        assert m.wait_for_cleanup(60)["deleted"] == ["step_00000002"]
         st = Storage(local_root)
         from raycheckpoint.format import Manifest
 

@@ -83,6 +83,7 @@ def test_200_saves_stay_bounded_and_flat(backend, group2, local_root, request, t
                                for r, w in enumerate(group2)})
                 samples[i] = _sample(procs)
             if i % 25 == 0:
+                m.wait_for_cleanup(300)  # retention runs after each commit
                 steps = [n for n in storage.list_dir("") if n.startswith("step_")]
                 counts.append(len(steps))
                 sizes.append(sum(storage.list_files("").values()))
