@@ -205,7 +205,8 @@ class CheckpointManager:
             self.spec, config, None if self._lease is None else self._lease.job_id)
         rpc = config.rpc_timeout_s
         _get([w.ckpt_setup.remote(role=role, rank=rank, world_size=len(ws), storage=self.spec,
-                                  report_timeout_s=rpc, persist_nice=config.persist_nice)
+                                  report_timeout_s=rpc, persist_nice=config.persist_nice,
+                                  freeze_gc=config.freeze_gc)
               for role, ws in self.groups.items() for rank, w in enumerate(ws)], rpc)
         _get(self._coordinator.register_workers.remote(self.workers), rpc)
         self._refresh_identities()

@@ -32,6 +32,7 @@ that guard no optimizer copy before answering, as without the option.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import time
 from datetime import timedelta
@@ -81,8 +82,13 @@ class CheckpointableWorker:
 
     def ckpt_setup(self, *, role: str, rank: int, world_size: int, storage: StorageSpec,
                    process_group: dist.ProcessGroup | None = None,
-                   report_timeout_s: float = 300.0, persist_nice: int = 0) -> None:
+                   report_timeout_s: float = 300.0, persist_nice: int = 0,
+                   freeze_gc: bool = False) -> None:
+        """Set up this rank's saver; ``freeze_gc``: see ``CheckpointConfig.freeze_gc``."""
         self.ckpt_role, self.ckpt_rank, self.ckpt_world_size = role, rank, world_size
+        if freeze_gc:
+            gc.collect()  # garbage now would never be collected once frozen
+            gc.freeze()
         if self._ckpt_saver is not None and self._ckpt_saver.storage_spec == storage:
             self._ckpt_saver.persist_nice = persist_nice
             return
