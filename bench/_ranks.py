@@ -39,7 +39,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from raycheckpoint.worker import CheckpointableWorker, _local_tensors, optimizer_state_dict
+from raycheckpoint.worker import (
+    CheckpointableWorker,
+    StateDictCache,
+    _local_tensors,
+    optimizer_state_dict,
+)
 from workers.group import init_process_group
 
 METHODS = ("raycheckpoint", "verl_sync", "rank0_gather", "dcp_sync", "dcp_async", "dcp_async_stager")
@@ -151,6 +156,7 @@ class _BenchRank(CheckpointableWorker):
         self._dcp_pg = dist.new_group(backend="gloo")
         self.optim = torch.optim.AdamW(self.net.parameters(), lr=1e-4)
         self.ckpt_guard(self.optim)  # lets the bench measure checkpoint.overlap_copy
+        self._state_dicts = StateDictCache(self.net, self.optim)  # what a worker would use
         self.vocab = vocab
         self.train_step(1, 8)  # AdamW state exists and is not zero
         self._stager = None
@@ -206,7 +212,7 @@ class _BenchRank(CheckpointableWorker):
     # ---- CheckpointableWorker hooks ------------------------------------------------------
 
     def ckpt_state_dict(self, kind: str) -> dict[str, Any]:
-        return self.state() if kind == "full" else {"model": get_model_state_dict(self.net)}
+        return self._state_dicts.state_dict(kind)
 
     def ckpt_load_state_dict(self, state: dict[str, Any], kind: str) -> None:
         set_model_state_dict(self.net, state["model"])

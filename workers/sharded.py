@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from raycheckpoint.worker import CheckpointableWorker, optimizer_state_dict
+from raycheckpoint.worker import CheckpointableWorker, StateDictCache
 from workers.group import init_process_group
 from workers.models import ValueModel, build_causal_lm, decoder_layers, hf_assets, state_sha256
 
@@ -57,6 +57,9 @@ class ShardedModelWorker(CheckpointableWorker):
         else:
             self.net.requires_grad_(False)
             self.net.eval()
+        # torch builds these state dicts item by item while training is blocked; the
+        # cache rebuilds them only when the tensors behind them change
+        self._state_dicts = StateDictCache(self.net, self.optim)
 
     def build_model(self, model: dict[str, Any], seed: int,
                     value_model: bool) -> tuple[nn.Module, nn.ModuleList]:
@@ -90,10 +93,7 @@ class ShardedModelWorker(CheckpointableWorker):
     # ---- CheckpointableWorker hooks --------------------------------------------------------
 
     def ckpt_state_dict(self, kind: str) -> dict[str, Any]:
-        state = {"model": get_model_state_dict(self.net)}
-        if kind == "full" and self.trainable:
-            state["optim"] = optimizer_state_dict(self.net, self.optim)
-        return state
+        return self._state_dicts.state_dict(kind)  # "optim" only where there is an optimizer
 
     def ckpt_load_state_dict(self, state: dict[str, Any], kind: str) -> None:
         set_model_state_dict(self.net, state["model"])
