@@ -97,14 +97,99 @@ def save_record(obj: Any, f: Any) -> None:
     FileSystemReader) read such records alike.  The CRC is computed with the GIL held: it
     was a quarter of the persist thread's serialization time, taken from training.
     torch's own switch for it is process-wide; this one touches only these records.
+
+    Without CRCs, the bytes torch writes around a tensor's data depend only on its
+    layout, so a plain CPU tensor whose layout was written before is written from that
+    record's bytes (:func:`_template`): three writes instead of torch's pickler and
+    zip writer (about 40 writes and 0.2 ms a record, for a model's hundreds of records).
     """
     if not _NO_CRC_SAVE:  # a torch without the internals this relies on
         torch.save(obj, f)
         return
+    template = _template(obj) if isinstance(obj, torch.Tensor) else None
+    if template is not None:
+        before, after = template
+        f.write(before)
+        f.write(_tensor_bytes(obj))
+        f.write(after)
+        return
+    _torch_record(obj, f)
+    f.flush()
+
+
+def _torch_record(obj: Any, f: Any) -> None:
     writer = torch._C.PyTorchFileWriter(f, False, torch.serialization._get_storage_alignment())
     torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
     writer.write_end_of_file()
-    f.flush()
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class _Capture:
+    """A file for torch's zip writer: keeps what is written around the tensor's data."""
+
+    def __init__(self, data: Any) -> None:
+        import numpy as np
+
+        self._np, self._data = np, np.frombuffer(data, dtype=np.uint8)
+        self.parts: list[bytes | None] = []  # None: where the tensor's bytes were written
+        self.pos = 0
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        if mv.nbytes == self._data.nbytes and self._np.array_equal(
+                self._np.frombuffer(mv, dtype=self._np.uint8), self._data):
+            self.parts.append(None)
+        else:
+            self.parts.append(bytes(mv))
+        self.pos += mv.nbytes
+        return mv.nbytes
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+
+# layout -> (bytes before the data, bytes after), or None where a layout cannot be templated
+_TEMPLATES: dict[tuple, tuple[bytes, bytes] | None] = {}
+_MAX_TEMPLATES = 4096
+
+
+def _template(t: torch.Tensor) -> tuple[bytes, bytes] | None:
+    """The bytes torch writes before and after the data of a record of ``t``'s layout.
+
+    Found by writing the record twice, once with ``t``'s bytes and once with every byte
+    inverted: the tensor's bytes must be one write in each, at the same place, and every
+    other byte the same in both, or the layout is never templated.
+    """
+    if (type(t) is not torch.Tensor or t.device.type != "cpu" or t.layout != torch.strided
+            or t.requires_grad or t.is_conj() or t.is_neg() or t.storage_offset() != 0
+            or not t.is_contiguous() or t.numel() == 0
+            or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+        return None
+    key = (t.dtype, tuple(t.shape), tuple(t.stride()), t.untyped_storage().nbytes())
+    if key in _TEMPLATES:
+        return _TEMPLATES[key]
+    other = t.clone()
+    other.reshape(-1).view(torch.uint8).bitwise_not_()
+    captures = []
+    for x in (t, other):
+        cap = _Capture(_tensor_bytes(x))
+        _torch_record(x, cap)
+        captures.append(cap.parts)
+    a, b = captures
+    template = None
+    if a == b and a.count(None) == 1:
+        at = a.index(None)
+        template = (b"".join(a[:at]), b"".join(a[at + 1:]))
+    if len(_TEMPLATES) >= _MAX_TEMPLATES:
+        _TEMPLATES.clear()
+    _TEMPLATES[key] = template
+    return template
 
 
 class _ViewReader(io.RawIOBase):
