@@ -77,6 +77,22 @@ def table(point: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _size_groups(sizes: list[int], tolerance: float = 1.2) -> dict[int, tuple[int, int]]:
+    """Each per-rank size -> the (smallest, largest) size of its group.
+
+    A point's model width is chosen for the total, so a sweep over ranks at "128 MB per
+    rank" holds 121-134 MB per rank: sizes within ``tolerance`` of their neighbours are
+    one group, plotted as one line.
+    """
+    groups: list[list[int]] = []
+    for size in sorted(set(sizes)):
+        if groups and size <= groups[-1][-1] * tolerance:
+            groups[-1].append(size)
+        else:
+            groups.append([size])
+    return {size: (g[0], g[-1]) for g in groups for size in g}
+
+
 def plot(points: list[dict[str, Any]], path: str) -> None:
     try:
         import matplotlib
@@ -85,8 +101,13 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    group = _size_groups([p["config"]["bytes_per_rank"] for p in points])
+
+    def value(p: dict[str, Any], key: str) -> Any:  # what a point is grouped by
+        return group[p["config"][key]] if key == "bytes_per_rank" else p["config"][key]
+
     by_ranks = sorted({p["config"]["ranks"] for p in points})
-    by_bytes = sorted({p["config"]["bytes_per_rank"] for p in points})
+    by_bytes = sorted({value(p, "bytes_per_rank") for p in points})
     axes_spec = []
     if len(by_ranks) > 1 or len(by_bytes) == 1:
         axes_spec.append(("ranks", "ranks"))
@@ -96,9 +117,9 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
     methods = list(points[0]["methods"])
     for col, (key, label) in enumerate(axes_spec):
         other = "bytes_per_rank" if key == "ranks" else "ranks"
-        fixed = max({p["config"][other] for p in points},
-                    key=lambda v: sum(p["config"][other] == v for p in points))
-        pts = sorted((p for p in points if p["config"][other] == fixed),
+        fixed = max({value(p, other) for p in points},
+                    key=lambda v: sum(value(p, other) == v for p in points))
+        pts = sorted((p for p in points if value(p, other) == fixed),
                      key=lambda p: p["config"][key])
         xs = [p["config"][key] / (1e6 if key == "bytes_per_rank" else 1) for p in pts]
         for row, (metric, limit, title) in enumerate((
@@ -110,8 +131,11 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
             ax.plot(xs, [p["limits"][limit] for p in pts], "k--", label=f"limit: {limit[:-2]}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            fixed_label = (f"{fixed / 1e6:.0f} MB per rank" if other == "bytes_per_rank"
-                           else f"{fixed} ranks")
+            if other == "ranks":
+                fixed_label = f"{fixed} ranks"
+            else:
+                low, high = (f"{v / 1e6:.0f}" for v in fixed)
+                fixed_label = f"{low if low == high else low + _DASH + high} MB per rank"
             ax.set_title(f"{title}, {fixed_label}")
             ax.set_xlabel(label)
             ax.set_ylabel("seconds")
@@ -190,12 +214,19 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description="Print bench/README.md's tables for results.json files.")
     p.add_argument("results", nargs="+", help="results.json written by bench.save_latency --out")
+    p.add_argument("--plot", action="store_true",
+                   help="also redraw plot.png beside each results.json")
     args = p.parse_args(argv)
     for path in args.results:
         with open(path) as f:
             doc = json.load(f)
-        print(markdown(doc.get("points") or [doc]))
+        points = doc.get("points") or [doc]
+        print(markdown(points))
         print()
+        if args.plot:
+            import os
+
+            plot(points, os.path.join(os.path.dirname(path) or ".", "plot.png"))
 
 
 if __name__ == "__main__":

@@ -137,3 +137,35 @@ def test_bench_refuses_a_cuda_rank_without_a_gpu():
         from bench.save_latency import main
 
         main(["--worker-resources", "[1, 2]"])
+
+
+def test_a_ranks_sweep_is_plotted_as_one_line_per_method(tmp_path):
+    """A ranks sweep holds slightly different per-rank sizes (the model width is chosen
+    for the total): they are one group, so each method's points form one line."""
+    pytest.importorskip("matplotlib")
+    from bench.report import _size_groups, plot
+
+    sizes = [121_000_000, 134_000_000, 127_000_000, 126_000_000]
+    assert set(_size_groups(sizes).values()) == {(121_000_000, 134_000_000)}
+    assert _size_groups([60_000_000, 254_000_000, 1_004_000_000]) == {
+        60_000_000: (60_000_000, 60_000_000), 254_000_000: (254_000_000, 254_000_000),
+        1_004_000_000: (1_004_000_000, 1_004_000_000)}
+
+    import matplotlib.axes
+
+    drawn: list[int] = []
+    real_plot = matplotlib.axes.Axes.plot
+
+    def counting_plot(self, xs, *args, **kwargs):
+        drawn.append(len(xs))
+        return real_plot(self, xs, *args, **kwargs)
+
+    points = [{"config": {"ranks": r, "bytes_per_rank": b, "storage": "local"},
+               "methods": {"m": {"stall_s": 0.1 * r, "durable_s": 0.2 * r}},
+               "limits": {"host_copy_s": 0.05 * r, "raw_write_fsync_s": 0.1 * r}}
+              for r, b in zip((1, 2, 4, 8), sizes, strict=True)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(matplotlib.axes.Axes, "plot", counting_plot)
+        plot(points, str(tmp_path / "plot.png"))
+    assert drawn == [4, 4, 4, 4]  # stall and durable: the method and the limit, all 4 points
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
