@@ -211,6 +211,7 @@ def markdown(points: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
+    import os
 
     p = argparse.ArgumentParser(description="Print bench/README.md's tables for results.json files.")
     p.add_argument("results", nargs="+", help="results.json written by bench.save_latency --out")
@@ -224,8 +225,6 @@ def main(argv: list[str] | None = None) -> None:
         print(markdown(points))
         print()
         if args.plot:
-            import os
-
             plot(points, os.path.join(os.path.dirname(path) or ".", "plot.png"))
 
 

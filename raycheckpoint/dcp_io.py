@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch._weights_only_unpickler as _weights_only_unpickler
 import torch.distributed.checkpoint as dcp
@@ -131,16 +132,14 @@ class _Capture:
     """A file for torch's zip writer: keeps what is written around the tensor's data."""
 
     def __init__(self, data: Any) -> None:
-        import numpy as np
-
-        self._np, self._data = np, np.frombuffer(data, dtype=np.uint8)
+        self._data = np.frombuffer(data, dtype=np.uint8)
         self.parts: list[bytes | None] = []  # None: where the tensor's bytes were written
         self.pos = 0
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
-        if mv.nbytes == self._data.nbytes and self._np.array_equal(
-                self._np.frombuffer(mv, dtype=self._np.uint8), self._data):
+        if mv.nbytes == self._data.nbytes and np.array_equal(
+                np.frombuffer(mv, dtype=np.uint8), self._data):
             self.parts.append(None)
         else:
             self.parts.append(bytes(mv))

@@ -271,7 +271,6 @@ def optimizer_state_dict(model: torch.nn.Module, optim: torch.optim.Optimizer,
     return state
 
 
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
