@@ -410,7 +410,7 @@ class VerifyingStorageReader(StorageReader):
         verify_bytes(rel, data, self.expected.get(rel), check_sha=self.check_sha)
         return self.storage.decrypted(rel, data)  # authenticated decryption when encrypted
 
-    def _load_item(self, rel: str, blob: memoryview, req: Any, planner: LoadPlanner) -> None:
+    def _record(self, rel: str, blob: memoryview, req: Any) -> memoryview:
         info: _StorageInfo = self.storage_data[req.storage_index]
         if info.transform_descriptors:
             raise IntegrityError(f"{rel}: uses DCP stream transforms {info.transform_descriptors}, "
@@ -418,10 +418,10 @@ class VerifyingStorageReader(StorageReader):
         if info.offset < 0 or info.length < 0 or info.offset + info.length > len(blob):
             raise IntegrityError(f"{rel}: item {req.storage_index.fqn} lies outside the file",
                                  path=rel)
-        record = blob[info.offset:info.offset + info.length]
-        if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(record))
-            return
+        return blob[info.offset:info.offset + info.length]
+
+    def _load_tensor(self, rel: str, blob: memoryview, req: Any, planner: LoadPlanner) -> None:
+        record = self._record(rel, blob, req)
         tensor = narrow_tensor_by_index(load_record(record), req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
@@ -510,10 +510,21 @@ class VerifyingStorageReader(StorageReader):
         return plans
 
     def _read_file(self, file_name: str, reqs: list, planner: LoadPlanner) -> None:
+        """Copy ``file_name``'s tensors out while it is verified; then apply its other items.
+
+        Non-tensor items (a learning rate, betas) are records DCP's planner unpickles with
+        torch's full unpickler, so they wait until the whole file has passed its check.
+        """
         rel = f"{self.dcp_dir}/{file_name}"
+        held: list[tuple[Any, bytes]] = []
         with self._open_verified(rel) as blob:
             for req in reqs:
-                self._load_item(rel, blob, req, planner)
+                if req.type == LoadItemType.BYTE_IO:
+                    held.append((req, bytes(self._record(rel, blob, req))))
+                else:
+                    self._load_tensor(rel, blob, req, planner)
+        for req, record in held:  # the file verified (or checksums are off)
+            planner.load_bytes(req, io.BytesIO(record))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read this rank's items, up to ``parallel_files`` files at once.

@@ -295,3 +295,39 @@ def test_files_read_into_memory_in_parallel_stay_within_the_budget(storage, monk
     assert torch.equal(target["model"]["w"], source["model"]["w"])
     pooled = [name for name in reader.threads.values() if name.startswith("raycheckpoint-load")]
     assert len(pooled) == (2 if storage.is_posix else 0)
+
+
+_UNPICKLED: list[str] = []
+
+
+def _ran_on_unpickle(what: str) -> None:
+    _UNPICKLED.append(what)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (_ran_on_unpickle, ("a non-tensor record of a tampered file",))
+
+
+def test_a_tampered_non_tensor_record_is_never_unpickled(tmp_path):
+    """Non-tensor items (a learning rate, betas) are records torch unpickles with its full
+    unpickler.  In a data file read from a mapping, whose sha256 is checked beside the
+    tensor copies, they are applied only once that check has passed: a tampered file
+    fails with IntegrityError and its pickle never runs."""
+    storage = Storage(str(tmp_path))
+    expected = _save(storage)
+    path = "step_00000001/actor/__0_0.distcp"
+    metadata = pickle.loads(storage.read_bytes("step_00000001/actor/.metadata"))
+    lr = next(info for index, info in metadata.storage_data.items() if index.fqn == "optim.lr")
+    payload = pickle.dumps(_Payload())
+    assert len(payload) <= lr.length
+    data = bytearray(storage.read_bytes(path))
+    data[lr.offset:lr.offset + lr.length] = payload + b"\0" * (lr.length - len(payload))
+    storage.write_bytes(path, bytes(data))  # same size: only the sha256 tells
+    target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},
+              "optim": {"step": torch.tensor(0.0), "lr": 0.0, "betas": [0.0, 0.0]}}
+    _UNPICKLED.clear()
+    with pytest.raises(IntegrityError, match=re.escape(path)):
+        load_verified(target, VerifyingStorageReader(storage, "step_00000001/actor", expected),
+                      no_dist=True)
+    assert _UNPICKLED == []
