@@ -212,7 +212,7 @@ class CheckpointableWorker:
         if f"{request['dcp_dir']}/{DCP_METADATA}" in expected:
             reader = VerifyingStorageReader(saver.storage, request["dcp_dir"], expected,
                                             check_sha=request["check_sha"])
-            load_verified(template, reader, process_group=saver.process_group)
+            load_verified(template, reader)
             self.ckpt_load_state_dict(template, kind)
         elif template:
             raise IntegrityError(f"{request['dcp_dir']}: the checkpoint holds no tensors for "

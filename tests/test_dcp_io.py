@@ -40,7 +40,7 @@ def storage(request, tmp_path):
 
 def _save(storage):
     writer = HashingStorageWriter(storage, "step_00000001/actor")
-    dcp.save(_state(), storage_writer=writer, no_dist=True)
+    dcp.save(_state(), storage_writer=writer)
     return {e.path: e for e in writer.written}
 
 
@@ -77,7 +77,7 @@ def test_tampered_metadata_is_never_unpickled(tmp_path):
     storage.write_bytes(path, bytes(data))
     reader = VerifyingStorageReader(storage, "step_00000001/actor", expected)
     with pytest.raises(IntegrityError, match=re.escape(path)):
-        load_verified({"model": {"w": torch.zeros(64, 32)}}, reader, no_dist=True)
+        load_verified({"model": {"w": torch.zeros(64, 32)}}, reader)
 
 
 def test_file_not_in_manifest_is_refused(tmp_path):
@@ -85,7 +85,7 @@ def test_file_not_in_manifest_is_refused(tmp_path):
     _save(storage)
     reader = VerifyingStorageReader(storage, "step_00000001/actor", {})
     with pytest.raises(IntegrityError, match="not listed in the checkpoint's manifest"):
-        load_verified({"model": {"w": torch.zeros(64, 32)}}, reader, no_dist=True)
+        load_verified({"model": {"w": torch.zeros(64, 32)}}, reader)
 
 
 def test_prepared_buffers_are_reused_and_restaged_fresh(tmp_path):
@@ -164,7 +164,7 @@ def test_every_byte_of_a_data_file_is_checked_while_tensors_load(tmp_path, check
     clean = storage.read_bytes(path)
     target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}}
     reader = VerifyingStorageReader(storage, "step_00000001/actor", expected, check_sha=check_sha)
-    load_verified(target, reader, no_dist=True)
+    load_verified(target, reader)
     assert torch.equal(target["model"]["w"], _state()["model"]["w"])
     if not check_sha:
         return
@@ -175,8 +175,7 @@ def test_every_byte_of_a_data_file_is_checked_while_tensors_load(tmp_path, check
         storage.write_bytes(path, bytes(bad))
         reader = VerifyingStorageReader(storage, "step_00000001/actor", expected)
         with pytest.raises(IntegrityError, match=re.escape(path)) as err:
-            load_verified({"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}}, reader,
-                          no_dist=True)
+            load_verified({"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}}, reader)
         assert err.value.path == path, at
     storage.write_bytes(path, clean)
 
@@ -227,7 +226,7 @@ def _two_file_checkpoint(storage: Storage, d: str) -> tuple[dict, dict]:
     expected, metadata = {}, None
     for i, half in enumerate(halves):
         writer = HashingStorageWriter(storage, f"part{i}")
-        dcp.save(half, storage_writer=writer, no_dist=True)
+        dcp.save(half, storage_writer=writer)
         data = storage.read_bytes(f"part{i}/__0_0.distcp")
         expected.update({e.path: e for e in [storage.write_bytes(f"{d}/__{i}_0.distcp", data)]})
         md = pickle.loads(storage.read_bytes(f"part{i}/.metadata"))
@@ -261,7 +260,7 @@ def test_a_rank_reading_several_files_reads_them_at_once(storage, parallel_files
               "optim": {"step": torch.tensor(0.0)}}
     reader = _RecordingReader(storage, "multi", expected, parallel_files=parallel_files)
     reader.threads = {}
-    load_verified(target, reader, no_dist=True)
+    load_verified(target, reader)
     assert torch.equal(target["model"]["w"], source["model"]["w"])
     assert torch.equal(target["model"]["b"], source["model"]["b"])
     assert torch.equal(target["optim"]["step"], source["optim"]["step"])
@@ -276,7 +275,7 @@ def test_a_rank_reading_several_files_reads_them_at_once(storage, parallel_files
     reader = VerifyingStorageReader(storage, "multi", expected, parallel_files=parallel_files)
     with pytest.raises(IntegrityError, match=re.escape(path)):
         load_verified({"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},
-                       "optim": {"step": torch.tensor(0.0)}}, reader, no_dist=True)
+                       "optim": {"step": torch.tensor(0.0)}}, reader)
 
 
 def test_files_read_into_memory_in_parallel_stay_within_the_budget(storage, monkeypatch):
@@ -291,7 +290,7 @@ def test_files_read_into_memory_in_parallel_stay_within_the_budget(storage, monk
     reader.threads = {}
     target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},
               "optim": {"step": torch.tensor(0.0)}}
-    load_verified(target, reader, no_dist=True)
+    load_verified(target, reader)
     assert torch.equal(target["model"]["w"], source["model"]["w"])
     pooled = [name for name in reader.threads.values() if name.startswith("raycheckpoint-load")]
     assert len(pooled) == (2 if storage.is_posix else 0)
@@ -328,6 +327,5 @@ def test_a_tampered_non_tensor_record_is_never_unpickled(tmp_path):
               "optim": {"step": torch.tensor(0.0), "lr": 0.0, "betas": [0.0, 0.0]}}
     _UNPICKLED.clear()
     with pytest.raises(IntegrityError, match=re.escape(path)):
-        load_verified(target, VerifyingStorageReader(storage, "step_00000001/actor", expected),
-                      no_dist=True)
+        load_verified(target, VerifyingStorageReader(storage, "step_00000001/actor", expected))
     assert _UNPICKLED == []
