@@ -34,7 +34,6 @@ import os
 import pickle
 import sys
 import threading
-import uuid
 import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +47,6 @@ import torch.distributed.checkpoint as dcp
 import torch.serialization
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import (
-    DefaultSavePlanner,
     LoadPlan,
     LoadPlanner,
     Metadata,
@@ -282,36 +280,6 @@ def load_record(blob: memoryview) -> Any:
     return obj
 
 
-class ReusingSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, reusing its local plan and resolved tensors between saves.
-
-    For a saver that stages into the same host buffers every time: the structure, shapes
-    and shard offsets of what it saves do not change, so the local plan (one write item
-    per tensor, computed in Python over every DTensor) and each item's resolved local
-    tensor are computed once.  Non-tensor items are resolved anew each save (their values
-    change).  The owner must drop the planner when its buffers change.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._cached_plan: SavePlan | None = None
-        self._resolved: dict[Any, torch.Tensor] = {}
-
-    def create_local_plan(self) -> SavePlan:
-        if self._cached_plan is None:
-            self._cached_plan = super().create_local_plan()
-        self.plan = replace(self._cached_plan, planner_data=self.mappings)
-        return self.plan
-
-    def resolve_data(self, write_item: Any) -> Any:
-        if write_item.type == WriteItemType.BYTE_IO:
-            return super().resolve_data(write_item)
-        tensor = self._resolved.get(write_item.index)
-        if tensor is None:
-            tensor = self._resolved[write_item.index] = super().resolve_data(write_item)
-        return tensor
-
-
 class HashingStorageWriter(StorageWriter):
     """Writes one DCP file per rank under ``dcp_dir``, hashing while it streams."""
 
@@ -320,11 +288,13 @@ class HashingStorageWriter(StorageWriter):
         self.storage = storage
         self.dcp_dir = dcp_dir.rstrip("/")
         self.written: list[FileEntry] = []
-        self.save_id = uuid.uuid4().hex
+        self.results: list[WriteResult] = []  # this rank's, from the last write_data
+        self.metadata_bytes: bytes | None = None  # the coordinator's, from the last finish
 
     def reset(self, checkpoint_id=None) -> None:
         self.written = []
-        self.save_id = uuid.uuid4().hex
+        self.results = []
+        self.metadata_bytes = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -367,6 +337,7 @@ class HashingStorageWriter(StorageWriter):
         # written again from the start
         results, entry = self.storage.retrying(f"write {rel}", write_file)
         self.written.append(entry)
+        self.results = results
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -377,12 +348,19 @@ class HashingStorageWriter(StorageWriter):
             storage_md.update({wr.index: wr.storage_data for wr in wr_list})
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
+        self.write_metadata(pickle.dumps(metadata))
+
+    def write_metadata(self, data: bytes) -> None:
+        """Write ``.metadata`` (the coordinator's part of finishing a save) from its bytes."""
         self.written.append(
-            self.storage.write_bytes(f"{self.dcp_dir}/{DCP_METADATA}", pickle.dumps(metadata),
-                                     encrypt=True))
+            self.storage.write_bytes(f"{self.dcp_dir}/{DCP_METADATA}", data, encrypt=True))
+        self.metadata_bytes = data
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.storage.url(self.dcp_dir), save_id=self.save_id)
+        """Nothing of one save in particular: ``.metadata`` then stays the same bytes from
+        save to save (:mod:`raycheckpoint.dcp_save` reuses them).  Which checkpoint this
+        is, the manifest and ``trainer_state.json`` say."""
+        return StorageMeta()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:

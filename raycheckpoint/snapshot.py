@@ -6,7 +6,8 @@
    the state dict into host buffers allocated on first use (or ahead of time by
    ``prepare()``) and reused afterwards (pinned when CUDA is present).
    **This copy is the only time training is blocked.**
-2. A background thread runs ``torch.distributed.checkpoint.save`` of the staged copy
+2. A background thread saves the staged copy in torch DCP's format
+   (:func:`~raycheckpoint.dcp_save.save_state`: DCP's protocol, its plans agreed once)
    through :class:`~raycheckpoint.dcp_io.HashingStorageWriter` on the checkpoint process
    group, writes the rank's extra state (RNG, scheduler) as msgpack and the role's
    assets (rank 0: files such as a Hugging Face ``config.json``), and reports the
@@ -34,13 +35,13 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from raycheckpoint._internal import faults
-from raycheckpoint.dcp_io import HashingStorageWriter, ReusingSavePlanner
+from raycheckpoint.dcp_io import HashingStorageWriter
+from raycheckpoint.dcp_save import ReusingSavePlanner, save_state
 from raycheckpoint.format import asset_file, pack, rng_file
 from raycheckpoint.storage import FileEntry, StorageSpec
 
@@ -346,8 +347,7 @@ class ShardSaver:
             files = []
             if staged:  # a role without tensors (rollout) saves its extra state only
                 writer = HashingStorageWriter(self.storage, f"{step_dir}/{self.role}")
-                dcp.save(staged, storage_writer=writer, planner=planner,
-                         process_group=self.process_group)
+                save_state(staged, writer, planner, self.process_group)
                 files = list(writer.written)
             if extra is not None:
                 files.append(self.storage.write_bytes(

@@ -1,0 +1,173 @@
+"""DCP's save protocol with plans agreed once (raycheckpoint.dcp_save), on two real ranks.
+
+Two processes form a gloo group and shard a small model with FSDP2, as two workers of a
+role do.  Each scenario saves through :func:`save_state` and, beside it, through
+``dcp.save`` itself with the same writer: the data files must be the same bytes and the
+metadata equal, and a
+checkpoint saved on two ranks must load into one process (resharding reads both ranks'
+files through the global metadata).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+from raycheckpoint._internal import faults
+from raycheckpoint.dcp_io import HashingStorageWriter
+from raycheckpoint.dcp_save import ReusingSavePlanner, save_state
+from raycheckpoint.errors import InjectedFault
+from raycheckpoint.storage import Storage
+
+pytestmark = pytest.mark.timeout(180)
+# a non-tensor value whose record outgrows the 64-byte alignment torch.save pads records to
+LONGER = "a much longer value " * 20
+
+
+def _files(root: str, d: str) -> dict[str, object]:
+    """A DCP directory's data files (bytes) and its metadata (unpickled: equal metadata
+    may pickle to other bytes, as pickle shares the objects it meets twice)."""
+    out: dict[str, object] = {}
+    for name in sorted(os.listdir(os.path.join(root, d))):
+        with open(os.path.join(root, d, name), "rb") as f:
+            out[name] = pickle.loads(f.read()) if name == ".metadata" else f.read()
+    return out
+
+
+def _model_and_state(world: int):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from raycheckpoint.worker import optimizer_state_dict
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    optim = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net(torch.randn(4, 16)).sum().backward()
+    optim.step()
+
+    def state(note: str = "x"):
+        return {"model": get_model_state_dict(net), "optim": optimizer_state_dict(net, optim),
+                "note": note}
+
+    return net, optim, state
+
+
+def _counting(real, calls: list[int]):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    return counted
+
+
+def _rank_main(rank: int, world: int, port: int, root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+        storage = Storage(root)
+        net, optim, state = _model_and_state(world)
+        planner = ReusingSavePlanner()
+        full_protocol: list[int] = []  # dcp.save calls made by save_state
+        torch_save = dcp.save
+        dcp.save = _counting(torch_save, full_protocol)
+
+        def ours(d: str, note: str = "x") -> None:
+            save_state(state(note), HashingStorageWriter(storage, d), planner, group)
+
+        def torchs(d: str, note: str = "x") -> None:
+            torch_save(state(note), storage_writer=HashingStorageWriter(storage, d),
+                       planner=ReusingSavePlanner(), process_group=group)
+
+        ours("s1")                        # the full protocol, remembered
+        assert len(full_protocol) == 1
+        ours("s2")                        # agreed: no plan exchange, the same .metadata bytes
+        assert len(full_protocol) == 1
+        torchs("t2")
+        net(torch.randn(4, 16)).sum().backward()
+        optim.step()                      # new values, same structure
+        for g in optim.param_groups:
+            g["lr"] = 5e-4
+        ours("s3")
+        torchs("t3")
+        ours("s4", note=LONGER)  # a non-tensor record grows: offsets move, .metadata anew
+        torchs("t4", note=LONGER)
+        calls = len(full_protocol)
+        ours("s5", note=LONGER)  # agreed again on the new outcome
+        assert len(full_protocol) == calls
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        whole = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+        if rank == 0:
+            torch.save(whole, os.path.join(root, "s5-model.pt"))
+
+        # a rank that fails to write fails the save on every rank; the next one is whole
+        if rank == 1:
+            faults.arm("storage.write@s6/__1_", "raise")
+        try:
+            ours("s6")
+        except InjectedFault:
+            assert rank == 1
+        except RuntimeError as e:  # the peer names the rank that failed, and why
+            assert rank == 0, e
+            assert "writing the shards failed on another rank of this role (rank 1: " \
+                "InjectedFault: injected fault at storage.write (s6/__1_0.distcp))" in str(e), e
+        else:
+            raise AssertionError(f"rank {rank}: the failed save did not fail here")
+        faults.disarm()
+        calls = len(full_protocol)
+        ours("s7")                        # after a failure: the full protocol again
+        assert len(full_protocol) == calls + 1
+        torchs("t7")
+
+        # one rank with a new planner (its buffers changed): every rank plans anew
+        if rank == 1:
+            planner = ReusingSavePlanner()
+        calls = len(full_protocol)
+        ours("s8")
+        assert len(full_protocol) == calls + 1
+        dist.barrier(group)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2])
+def test_agreed_plans_write_what_dcp_save_writes(tmp_path, world):
+    from workers.group import free_port
+
+    root = str(tmp_path)
+    mp.spawn(_rank_main, args=(world, free_port(), root), nprocs=world, join=True)
+    for ours, theirs in (("s2", "t2"), ("s3", "t3"), ("s4", "t4"), ("s5", "t4"), ("s7", "t7")):
+        a, b = _files(root, ours), _files(root, theirs)
+        assert set(a) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+        assert a == b, (ours, [n for n in a if a[n] != b.get(n)])
+    assert _files(root, "s1") == _files(root, "s2")  # same state, same bytes
+    assert _files(root, "s8") == _files(root, "s7")
+    assert ".metadata" not in os.listdir(os.path.join(root, "s6"))  # the failed save
+
+    # the two ranks' shards load into one process: the global metadata covers both files
+    from torch.distributed.checkpoint import FileSystemReader
+
+    full = {"model": {"0.weight": torch.zeros(32, 16), "0.bias": torch.zeros(32),
+                      "2.weight": torch.zeros(8, 32), "2.bias": torch.zeros(8)}, "note": ""}
+    dcp.load(full, storage_reader=FileSystemReader(os.path.join(root, "s5")), no_dist=True)
+    saved = torch.load(os.path.join(root, "s5-model.pt"), weights_only=True)
+    assert full["note"] == LONGER
+    assert set(full["model"]) == set(saved)
+    for k, v in saved.items():
+        assert torch.equal(full["model"][k], v), k
