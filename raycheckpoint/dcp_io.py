@@ -106,15 +106,24 @@ def save_record(obj: Any, f: Any) -> None:
     if not _NO_CRC_SAVE:  # a torch without the internals this relies on
         torch.save(obj, f)
         return
-    template = _template(obj) if isinstance(obj, torch.Tensor) else None
-    if template is not None:
-        before, after = template
-        f.write(before)
-        f.write(_tensor_bytes(obj))
-        f.write(after)
+    pieces = record_pieces(obj) if isinstance(obj, torch.Tensor) else None
+    if pieces is not None:
+        for piece in pieces:
+            f.write(piece)
         return
     _torch_record(obj, f)
     f.flush()
+
+
+def record_pieces(t: torch.Tensor) -> tuple[bytes, memoryview, bytes] | None:
+    """:func:`save_record`'s bytes for ``t`` as three pieces (the middle one views ``t``'s
+    memory), where ``t``'s layout has a template; None where it goes through torch."""
+    if not _NO_CRC_SAVE:
+        return None
+    template = _template(t)
+    if template is None:
+        return None
+    return template[0], _tensor_bytes(t), template[1]
 
 
 def _torch_record(obj: Any, f: Any) -> None:
@@ -311,22 +320,34 @@ class HashingStorageWriter(StorageWriter):
         # bytes first, then tensors largest first: the same order torch's writer uses
         items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
 
+        # a planner that keeps each record's pieces between saves (dcp_save.ReusingSavePlanner)
+        pieces_of = getattr(planner, "record_pieces", None)
+
         def write_file() -> tuple[list[WriteResult], FileEntry]:
             results: list[WriteResult] = []
             w = self.storage.open_write(rel, encrypt=True)
             try:
                 with w:
+                    pending: list = []  # records not yet written: one gathered write
+                    at = 0  # where the next record starts
                     for item in items:
-                        data = planner.resolve_data(item)
-                        offset = w.tell()
-                        if item.type == WriteItemType.BYTE_IO:
-                            w.write(data.getbuffer())
+                        pieces = None if pieces_of is None else pieces_of(item)
+                        if pieces is not None:
+                            length = sum(memoryview(p).nbytes for p in pieces)
+                            pending.extend(pieces)
+                        elif item.type == WriteItemType.BYTE_IO:
+                            buf = planner.resolve_data(item).getbuffer()
+                            length = buf.nbytes
+                            pending.append(buf)
                         else:
-                            save_record(_contiguous_owner(data), w)
-                        length = w.tell() - offset
+                            w.write_many(pending)
+                            pending = []
+                            save_record(_contiguous_owner(planner.resolve_data(item)), w)
+                            length = w.tell() - at
                         results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                                   storage_data=_StorageInfo(file_name, offset,
-                                                                             length)))
+                                                   storage_data=_StorageInfo(file_name, at, length)))
+                        at += length
+                    w.write_many(pending)
             except Exception as e:
                 if w.error is not None and w.error is not e:
                     raise w.error from e  # the real cause, not torch's rewording of it

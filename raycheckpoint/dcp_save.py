@@ -34,6 +34,8 @@ from torch.distributed.checkpoint import DefaultSavePlanner, Metadata, SavePlan
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from raycheckpoint.dcp_io import _contiguous_owner, record_pieces
+
 # what a rank says in an agreement (the all-reduce takes the minimum)
 FAILED, CHANGED, SAME = 0, 1, 2
 
@@ -44,7 +46,8 @@ class ReusingSavePlanner(DefaultSavePlanner):
     For a saver that stages into the same host buffers every time: the structure, shapes
     and shard offsets of what it saves do not change, so the local plan (one write item
     per tensor, computed in Python over every DTensor) and each item's resolved local
-    tensor are computed once.  Non-tensor items are resolved anew each save (their values
+    tensor are computed once, and so are the pieces of each tensor's record
+    (:meth:`record_pieces`).  Non-tensor items are resolved anew each save (their values
     change).  :func:`save_state` keeps the rest of a save's outcome here too (``reused``).
     The owner must drop the planner when its buffers change.
     """
@@ -53,6 +56,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
         super().__init__()
         self._cached_plan: SavePlan | None = None
         self._resolved: dict[Any, torch.Tensor] = {}
+        self._pieces: dict[Any, tuple | None] = {}
         self.reused: _Outcome | None = None
 
     def create_local_plan(self) -> SavePlan:
@@ -68,6 +72,22 @@ class ReusingSavePlanner(DefaultSavePlanner):
         if tensor is None:
             tensor = self._resolved[write_item.index] = super().resolve_data(write_item)
         return tensor
+
+    def record_pieces(self, write_item: Any) -> tuple | None:
+        """The bytes of a tensor item's record as pieces to write, the tensor's own memory in
+        the middle: computed once, while that memory is the staged buffer itself.
+
+        None for a non-tensor item, or where the record goes through torch's writer (a
+        layout without a template, or a tensor that must be copied to be written whole).
+        """
+        if write_item.type == WriteItemType.BYTE_IO:
+            return None
+        if write_item.index not in self._pieces:
+            tensor = self.resolve_data(write_item)
+            owner = _contiguous_owner(tensor)
+            same_memory = owner.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+            self._pieces[write_item.index] = record_pieces(owner) if same_memory else None
+        return self._pieces[write_item.index]
 
 
 class _Outcome:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from raycheckpoint._internal import faults
 from raycheckpoint.dcp_io import HashingStorageWriter
@@ -89,9 +90,9 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
         def ours(d: str, note: str = "x") -> None:
             save_state(state(note), HashingStorageWriter(storage, d), planner, group)
 
-        def torchs(d: str, note: str = "x") -> None:
+        def torchs(d: str, note: str = "x") -> None:  # torch's planner: one write per record
             torch_save(state(note), storage_writer=HashingStorageWriter(storage, d),
-                       planner=ReusingSavePlanner(), process_group=group)
+                       planner=DefaultSavePlanner(), process_group=group)
 
         ours("s1")                        # the full protocol, remembered
         assert len(full_protocol) == 1

@@ -68,6 +68,38 @@ def test_large_chunks_are_hashed_beside_the_write(storage):
     assert storage.read_bytes("s/large.bin") == joined
 
 
+@pytest.mark.parametrize("cap", [None, 4099])
+def test_pieces_are_written_whole_and_hashed_in_order(storage, monkeypatch, cap):
+    """write_many: one gathered write (os.writev per IOV_MAX pieces on POSIX) between plain
+    writes; with the kernel writing at most ``cap`` bytes a call, every piece is still
+    written whole, in order."""
+    import os
+
+    from raycheckpoint import storage as storage_mod
+
+    if cap is not None:
+        if not storage.is_posix:
+            pytest.skip("os.writev is the POSIX path")
+        real = os.writev
+
+        def short_writev(fd, buffers):
+            head = b"".join(bytes(b) for b in buffers)[:cap]  # a partial write of the first bytes
+            return real(fd, [head])
+
+        monkeypatch.setattr(storage_mod.os, "writev", short_writev)
+    big = os.urandom(storage_mod.PARALLEL_HASH_BYTES + 3)
+    pieces = [bytes([i % 251]) * (i % 5) for i in range(2 * storage_mod.IOV_MAX + 3)]  # empty ones too
+    pieces[100] = memoryview(big)  # a large piece: hashed beside the write
+    with storage.open_write("s/pieces.bin") as w:
+        w.write(b"before")
+        assert w.write_many(pieces) == sum(memoryview(p).nbytes for p in pieces)
+        w.write(b"after")
+        assert w.tell() == 11 + sum(memoryview(p).nbytes for p in pieces)
+    joined = b"before" + b"".join(bytes(p) for p in pieces) + b"after"
+    assert storage.read_bytes("s/pieces.bin") == joined
+    assert w.entry.size == len(joined) and w.entry.sha256 == hashlib.sha256(joined).hexdigest()
+
+
 def test_list_and_delete(storage):
     for p in ("d/x/1", "d/x/2", "d/y", "e"):
         storage.write_bytes(p, p.encode())
