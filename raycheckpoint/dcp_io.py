@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import inspect
 import io
+import math
 import mmap
 import os
 import pickle
@@ -57,7 +58,7 @@ from torch.distributed.checkpoint import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -289,6 +290,28 @@ def load_record(blob: memoryview) -> Any:
     return obj
 
 
+def record_tensor(record: memoryview, dtype: torch.dtype, sizes: tuple[int, ...]) -> torch.Tensor:
+    """The tensor of a record known to hold a contiguous ``dtype`` tensor of ``sizes``.
+
+    The bytes torch writes around a tensor's data depend only on its layout
+    (:func:`_template`), so where ``record`` is this torch's template for that layout
+    around data of the right length, it is exactly ``torch.save`` of such a tensor, and
+    the tensor views its data: no zip parsing, no unpickling (torch's reader took about
+    0.1 ms a record, a model's hundreds of records per file).  Any other record (one
+    with CRCs, from another torch, or not what the metadata says) is read by torch's own
+    reader (:func:`load_record`).  Like it, the tensor views ``record``.
+    """
+    template = _template(torch.empty(sizes, dtype=dtype)) if _NO_CRC_SAVE else None
+    if template is not None:
+        before, after = template
+        nbytes = math.prod(sizes) * dtype.itemsize
+        if (len(record) == len(before) + nbytes + len(after) and record[:len(before)] == before
+                and record[len(before) + nbytes:] == after):
+            data = torch.frombuffer(record[len(before):len(before) + nbytes], dtype=torch.uint8)
+            return data.view(dtype).view(sizes)
+    return load_record(record)
+
+
 class HashingStorageWriter(StorageWriter):
     """Writes one DCP file per rank under ``dcp_dir``, hashing while it streams."""
 
@@ -420,9 +443,23 @@ class VerifyingStorageReader(StorageReader):
                                  path=rel)
         return blob[info.offset:info.offset + info.length]
 
+    def _chunk_layout(self, index: Any) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        """The dtype and sizes of the saved chunk ``index`` names, from the metadata."""
+        md = self._metadata.state_dict_metadata.get(index.fqn) if self._metadata else None
+        if not isinstance(md, TensorStorageMetadata):
+            return None
+        chunks = md.chunks
+        at = index.index
+        if at is None or not 0 <= at < len(chunks) or chunks[at].offsets != index.offset:
+            at = next((i for i, c in enumerate(chunks) if c.offsets == index.offset), None)
+        return None if at is None else (md.properties.dtype, tuple(chunks[at].sizes))
+
     def _load_tensor(self, rel: str, blob: memoryview, req: Any, planner: LoadPlanner) -> None:
         record = self._record(rel, blob, req)
-        tensor = narrow_tensor_by_index(load_record(record), req.storage_offsets, req.lengths)
+        layout = self._chunk_layout(req.storage_index)
+        stored = record_tensor(record, *layout) if layout is not None else load_record(record)
+        tensor = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
+        del stored
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise IntegrityError(
