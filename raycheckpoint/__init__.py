@@ -7,7 +7,7 @@ Public API::
 See DESIGN section 6 for the module map.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 import importlib
 from typing import TYPE_CHECKING, Any

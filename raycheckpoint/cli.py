@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_key(p)
     _add_common(p)
 
-    p = sub.add_parser("verify", help="full verification (presence, sizes, sha256); exit 0/1")
+    p = sub.add_parser("verify", help="full verification (presence, sizes, checksums); exit 0/1")
     _add_ref(p, "REF|ROOT")
     _add_common(p)
 

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from raycheckpoint import digest
+
 BestMode = Literal["max", "min"]
 ResumeMode = Literal["auto", "disable", "path"]
 
@@ -57,8 +59,12 @@ class CheckpointConfig:
     # exponential backoff this many times per operation (see storage.py)
     storage_retries: int = 5
 
-    # integrity / security
+    # integrity / security: every file's checksum is written; enable_checksum=False skips
+    # checking the shards' checksums on load (sizes and metadata are always checked).
+    # checksum_algorithm "blake3" (format 2) or "sha256" (format 1's: such checkpoints
+    # stay readable by releases that read format 1); see digest.py
     enable_checksum: bool = True
+    checksum_algorithm: str = "blake3"
     encryption_key: str | None = None
 
     # resume
@@ -108,6 +114,9 @@ class CheckpointConfig:
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if self.best_mode not in ("max", "min"):
             raise ValueError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        if self.checksum_algorithm not in digest.ALGORITHMS:
+            raise ValueError(f"checksum_algorithm must be one of {digest.ALGORITHMS}, got "
+                             f"{self.checksum_algorithm!r}")
         if self.resume_mode not in ("auto", "disable", "path"):
             raise ValueError(
                 f"resume_mode must be 'auto', 'disable' or 'path', got {self.resume_mode!r}")

@@ -30,6 +30,7 @@ The coordinator never looks inside tensors.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -494,16 +495,22 @@ class CheckpointCoordinator:
         trainer_state = {**save.trainer_state, "global_step": save.step, "kind": save.kind,
                          "tag": save.tag, "metrics": save.metrics, "name": name}
         faults.check("coordinator.trainer_state", path=name)
-        for entry in (s.write_bytes(f"{name}/{TRAINER_STATE}", json_bytes(trainer_state)),
-                      s.write_bytes(f"{name}/{VERSION}", json_bytes(version_info()))):
-            files[entry.path] = entry
+        entry = s.write_bytes(f"{name}/{TRAINER_STATE}", json_bytes(trainer_state))
+        files[entry.path] = entry
+        # version.json is hashed with sha256 whatever the job's algorithm, so every release
+        # can verify it and then say whether it reads the rest (format.version_info)
+        entry = s.write_bytes(f"{name}/{VERSION}", json_bytes(version_info(files.values())),
+                              checksum="sha256")
+        files[entry.path] = entry
         manifest = Manifest(name=name, step=save.step, kind=save.kind, files=files, roles=roles,
                             encryption=self._encryption())
         faults.check("coordinator.manifest", path=name)
-        m_entry = s.write_bytes(f"{name}/{MANIFEST}", manifest.to_bytes())
+        manifest_bytes = manifest.to_bytes()
+        m_entry = s.write_bytes(f"{name}/{MANIFEST}", manifest_bytes)
         marker = Marker(name=name, step=save.step, kind=save.kind, manifest_size=m_entry.size,
-                        manifest_sha256=m_entry.sha256, bytes=manifest.total_bytes + m_entry.size,
-                        metrics=save.metrics, tag=save.tag)
+                        manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest(),
+                        bytes=manifest.total_bytes + m_entry.size, metrics=save.metrics,
+                        tag=save.tag)
         faults.check("coordinator.before_marker", path=name)
         self._check_lease()
         s.create_marker(f"{name}/{COMMITTED}", marker.to_bytes())

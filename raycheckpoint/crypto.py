@@ -8,7 +8,7 @@ manifest's ``encryption`` entry, next to the algorithm and chunk size.
 What is encrypted: the tensor files of every role (DCP shards and their ``.metadata``)
 and the per-rank state (RNG, scheduler).  Left in the clear so a root can be listed,
 verified and resumed-checked without the key: markers, manifest, version, trainer state,
-catalog, pointers and assets.  sha256 in the manifest is over the stored (encrypted)
+catalog, pointers and assets.  The manifest's checksum is over the stored (encrypted)
 bytes, so ``raycheckpoint verify`` needs no key.
 
 File format (``.enc`` framing inside the usual file names)::

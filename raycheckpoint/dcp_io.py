@@ -10,9 +10,9 @@ What this layer adds:
   the writer keeps the resulting :class:`~raycheckpoint.storage.FileEntry` list in
   ``written`` for the worker to report to the coordinator;
 * the reader checks every file it opens against the verified manifest (presence,
-  size, sha256), and a flipped bit raises :class:`~raycheckpoint.errors.IntegrityError`
+  size, checksum), and a flipped bit raises :class:`~raycheckpoint.errors.IntegrityError`
   naming the file.  DCP's pickled ``.metadata`` is verified before it is unpickled.  A
-  data file's sha256 is computed in a helper thread while its tensors are copied out
+  data file's checksum is computed in a helper thread while its tensors are copied out
   (only torch's weights-only unpickler ever sees its bytes before that), and checked
   before the load returns;
 * on local disk a data file is memory-mapped and each tensor is copied straight from the
@@ -26,7 +26,6 @@ DCP call order (all ranks unless noted): ``reset`` -> ``set_up_storage_writer`` 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import io
 import math
@@ -63,6 +62,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from raycheckpoint import digest
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.format import DCP_METADATA
 from raycheckpoint.integrity import check_digest, check_size, verify_bytes
@@ -94,7 +94,7 @@ _NO_CRC_SAVE = (hasattr(torch._C, "PyTorchFileWriter")
 def save_record(obj: Any, f: Any) -> None:
     """``torch.save(obj, f)``, less the zip format's CRC32 of each record.
 
-    The file's sha256 already covers every byte, and ``torch.load`` (and DCP's
+    The file's checksum already covers every byte, and ``torch.load`` (and DCP's
     FileSystemReader) read such records alike.  The CRC is computed with the GIL held: it
     was a quarter of the persist thread's serialization time, taken from training.
     torch's own switch for it is process-wide; this one touches only these records.
@@ -415,12 +415,15 @@ class VerifyingStorageReader(StorageReader):
     """Reads a DCP directory, checking each file against the manifest before use."""
 
     def __init__(self, storage: Storage, dcp_dir: str, expected: Mapping[str, FileEntry],
-                 *, check_sha: bool = True, parallel_files: int = 4) -> None:
+                 *, checksums: bool = True, parallel_files: int = 4,
+                 hash_threads: int = digest.AUTO) -> None:
         super().__init__()
         self.storage = storage
         self.dcp_dir = dcp_dir.rstrip("/")
         self.expected = expected
-        self.check_sha = check_sha
+        self.checksums = checksums
+        # a load blocks training: a BLAKE3 file hash may use every core (sha256 uses one)
+        self.hash_threads = hash_threads
         self.parallel_files = max(1, parallel_files)
         self.storage_data: dict[Any, Any] = {}
         self._metadata: Metadata | None = None
@@ -430,7 +433,7 @@ class VerifyingStorageReader(StorageReader):
             data = self.storage.read_bytes(rel)
         except FileNotFoundError as e:
             raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
-        verify_bytes(rel, data, self.expected.get(rel), check_sha=self.check_sha)
+        verify_bytes(rel, data, self.expected.get(rel), checksums=self.checksums)
         return self.storage.decrypted(rel, data)  # authenticated decryption when encrypted
 
     def _record(self, rel: str, blob: memoryview, req: Any) -> memoryview:
@@ -475,8 +478,8 @@ class VerifyingStorageReader(StorageReader):
 
         Presence and size are checked before anything reads it.  A plain file on local
         disk is memory-mapped (copy-on-write, so the view is writable and nothing is
-        faulted in beyond the file's pages); its sha256 is computed in a helper thread
-        (hashlib releases the GIL) while the caller copies tensors out of the mapping, and
+        faulted in beyond the file's pages); its checksum is computed in a helper thread
+        (both hashes release the GIL) while the caller copies tensors out of the mapping, and
         checked when the caller is done: a mismatch raises IntegrityError, also when the
         caller failed first on the corrupt bytes.  Elsewhere, and for encrypted files, the
         file is read and verified first.
@@ -492,17 +495,18 @@ class VerifyingStorageReader(StorageReader):
             size = os.fstat(f.fileno()).st_size
             expected = check_size(rel, size, self.expected.get(rel))
             if size == 0:
-                if self.check_sha:
-                    check_digest(rel, hashlib.sha256(b"").hexdigest(), expected)
+                if self.checksums:
+                    check_digest(rel, digest.like(b"", expected.digest), expected)
                 yield memoryview(bytearray())
                 return
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             view = memoryview(mapped)
-            digest: list[str] = []
+            got: list[str] = []
             hasher = None
-            if self.check_sha:
+            if self.checksums:
                 hasher = threading.Thread(
-                    target=lambda: digest.append(hashlib.sha256(view).hexdigest()),
+                    target=lambda: got.append(digest.like(view, expected.digest,
+                                                          threads=self.hash_threads)),
                     name="raycheckpoint-load-hash", daemon=True)
                 hasher.start()
             try:
@@ -511,9 +515,9 @@ class VerifyingStorageReader(StorageReader):
                 finally:
                     if hasher is not None:
                         hasher.join()  # the view is in use until the hash is done
-                        if digest:  # a mismatch wins over what the caller raised on the bytes
-                            check_digest(rel, digest[0], expected)
-                if hasher is not None and not digest:
+                        if got:  # a mismatch wins over what the caller raised on the bytes
+                            check_digest(rel, got[0], expected)
+                if hasher is not None and not got:
                     raise IntegrityError(f"{rel}: could not hash the file", path=rel)
             finally:
                 try:
@@ -530,7 +534,7 @@ class VerifyingStorageReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             data = self._read_verified(f"{self.dcp_dir}/{DCP_METADATA}")
-            metadata = pickle.loads(data)  # noqa: S301 - sha256 verified against the manifest
+            metadata = pickle.loads(data)  # noqa: S301 - checksum verified against the manifest
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             self._metadata = metadata
@@ -567,7 +571,7 @@ class VerifyingStorageReader(StorageReader):
         """Read this rank's items, up to ``parallel_files`` files at once.
 
         A rank loading into fewer ranks than saved reads several files (two from R to R/2);
-        each is read, hashed and copied out by a thread of its own (reads, sha256 and tensor
+        each is read, hashed and copied out by a thread of its own (reads, hashing and tensor
         copies release the GIL), into disjoint parts of the destination tensors.  Every file
         is finished before this returns; an IntegrityError wins over any other failure.
         Where a file is read into memory rather than mapped (object stores, encryption), the

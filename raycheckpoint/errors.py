@@ -38,7 +38,7 @@ class CheckpointNotFoundError(RayCheckpointError, FileNotFoundError):
 
 
 class IntegrityError(RayCheckpointError, ValueError):
-    """A file of a checkpoint is missing, has the wrong size or the wrong sha256.
+    """A file of a checkpoint is missing, has the wrong size or the wrong checksum.
 
     ``path`` names the file (relative to the checkpoint root).
     """

@@ -4,7 +4,7 @@ Used by ``raycheckpoint inspect`` and ``raycheckpoint export``.  A role's DCP di
 holds one file per saving rank; a tensor's pieces (its chunks, one per rank that held a
 shard) are found through DCP's ``.metadata`` and read by byte range, so assembling a
 full tensor needs memory for that tensor only.  Every file of the role is verified
-(size and sha256, streamed) before anything is read from it; ``.metadata`` (a pickle)
+(size and checksum, streamed) before anything is read from it; ``.metadata`` (a pickle)
 is unpickled only once its checksum matches.
 
 Export formats:
@@ -110,9 +110,9 @@ class RoleReader:
                 data = self.storage.read_bytes(rel)
             except FileNotFoundError as e:
                 raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
-            verify_bytes(rel, data, self.files[rel], check_sha=True)
+            verify_bytes(rel, data, self.files[rel], checksums=True)
             data = self.storage.decrypted(rel, data)
-            self._metadata = pickle.loads(data)  # noqa: S301 - sha256 verified against the manifest
+            self._metadata = pickle.loads(data)  # noqa: S301 - checksum verified against the manifest
         return self._metadata
 
     def tensors(self) -> list[TensorInfo]:
@@ -253,7 +253,7 @@ def export(ck: VerifiedCheckpoint, out: str, *, fmt: str, role: str = "actor", f
         try:
             for name, rel in sorted(assets.items()):
                 data = ck.storage.read_bytes(rel)
-                verify_bytes(rel, data, ck.manifest.files[rel], check_sha=True)
+                verify_bytes(rel, data, ck.manifest.files[rel], checksums=True)
                 if progress is not None:
                     progress(len(data))
                 with open(os.path.join(tmp, name), "wb") as f:

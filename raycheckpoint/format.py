@@ -13,8 +13,15 @@ Invariants:
 * ``COMMITTED`` is written last; it holds the manifest's size and sha256, so a
   committed checkpoint's manifest, and through it every listed file, can be verified.
 * The manifest lists every file of the checkpoint except itself and ``COMMITTED``,
-  with size and sha256; paths are relative to the job root, so an entry may refer to
-  bytes stored under another step directory (deduplicated frozen weights).
+  with size and checksum (:mod:`raycheckpoint.digest`: ``"blake3:<hex>"``, or bare sha256
+  hex); paths are relative to the job root, so an entry may refer to bytes stored under
+  another step directory (deduplicated frozen weights).  ``version.json``'s checksum is
+  always sha256, which every release reads.
+
+Format versions: 1 hashed every file with sha256; 2 adds BLAKE3 digests.  A checkpoint
+records in ``version.json`` the oldest format whose readers can read it
+(``compatible_since``): 1 when every file is sha256, 2 once any is BLAKE3, so an older
+release refuses it with its upgrade path instead of calling it corrupt.
 * Metadata is JSON or msgpack, never pickle.  DCP's own ``.metadata`` (a pickle) is
   listed in the manifest and verified before DCP reads it.
 """
@@ -24,15 +31,17 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
 
+from raycheckpoint.digest import READABLE_SINCE
 from raycheckpoint.storage import FileEntry
 
-FORMAT_VERSION = 1
-COMPATIBLE_SINCE = 1
+FORMAT_VERSION = 2
+COMPATIBLE_SINCE = 1  # the oldest format this library reads
 BREAKING_CHANGES: list[str] = []
 
 LEASE = "LEASE"
@@ -95,10 +104,13 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-def version_info() -> dict[str, Any]:
+def version_info(files: Iterable[FileEntry] = ()) -> dict[str, Any]:
+    """``version.json`` of a checkpoint holding ``files``: readable from the oldest format
+    whose readers know every checksum algorithm among them."""
     from raycheckpoint import __version__
 
-    return {"format_version": FORMAT_VERSION, "compatible_since": COMPATIBLE_SINCE,
+    since = max((READABLE_SINCE[f.algorithm] for f in files), default=1)
+    return {"format_version": FORMAT_VERSION, "compatible_since": since,
             "breaking_changes": list(BREAKING_CHANGES), "library_version": __version__}
 
 
@@ -136,7 +148,7 @@ class Manifest:
         return pack({
             "name": self.name, "step": self.step, "kind": self.kind,
             "created_at": self.created_at, "format_version": self.format_version,
-            "files": [[e.path, e.size, e.sha256] for e in self.files.values()],
+            "files": [[e.path, e.size, e.digest] for e in self.files.values()],
             "roles": {r: asdict(layout) for r, layout in self.roles.items()},
             **({"encryption": self.encryption} if self.encryption else {}),
         })

@@ -7,9 +7,9 @@ the file.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 
+from raycheckpoint import digest
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.storage import FileEntry, Storage
 
@@ -17,11 +17,12 @@ CHUNK_BYTES = 8 << 20
 
 
 def verify_bytes(rel: str, data: bytes | memoryview, expected: FileEntry | None,
-                 *, check_sha: bool) -> None:
-    """Raise IntegrityError unless ``data`` is the file the manifest lists as ``rel``."""
-    check_size(rel, len(data), expected)
-    if check_sha:
-        check_digest(rel, hashlib.sha256(data).hexdigest(), expected)
+                 *, checksums: bool) -> None:
+    """Raise IntegrityError unless ``data`` is the file the manifest lists as ``rel``;
+    ``checksums=False`` checks its size only."""
+    entry = check_size(rel, len(data), expected)
+    if checksums:
+        check_digest(rel, digest.like(data, entry.digest), entry)
 
 
 def check_size(rel: str, size: int, expected: FileEntry | None) -> FileEntry:
@@ -36,23 +37,25 @@ def check_size(rel: str, size: int, expected: FileEntry | None) -> FileEntry:
     return expected
 
 
-def check_digest(rel: str, digest: str, expected: FileEntry) -> None:
-    """Raise IntegrityError unless ``digest`` (sha256 hex) is the manifest's."""
-    if digest != expected.sha256:
+def check_digest(rel: str, got: str, expected: FileEntry) -> None:
+    """Raise IntegrityError unless ``got`` (a digest made as ``expected``'s) is the manifest's."""
+    if got != expected.digest:
+        algorithm = expected.algorithm
+        strip = (lambda d: d.partition(":")[2]) if algorithm != "sha256" else (lambda d: d)
         raise IntegrityError(
-            f"{rel}: sha256 {digest[:16]}... does not match the manifest's "
-            f"{expected.sha256[:16]}... (corrupted file)", path=rel)
+            f"{rel}: {algorithm} {strip(got)[:16]}... does not match the manifest's "
+            f"{strip(expected.digest)[:16]}... (corrupted file)", path=rel)
 
 
 def verify_file(storage: Storage, rel: str, expected: FileEntry | None,
                 progress: Callable[[int], None] | None = None) -> None:
-    """Hash ``rel`` in :data:`CHUNK_BYTES` reads (memory stays bounded); check size and sha256.
+    """Hash ``rel`` in :data:`CHUNK_BYTES` reads (memory stays bounded); check size and checksum.
 
     ``progress(n)`` is called with the bytes of each chunk read.
     """
     if expected is None:
         raise IntegrityError(f"{rel}: not listed in the checkpoint's manifest", path=rel)
-    h, size = hashlib.sha256(), 0
+    h, size = digest.new(expected.algorithm, threads=digest.AUTO), 0
     try:
         with storage.open_read(rel) as f:
             while chunk := f.read(CHUNK_BYTES):
@@ -63,4 +66,4 @@ def verify_file(storage: Storage, rel: str, expected: FileEntry | None,
     except FileNotFoundError as e:
         raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
     check_size(rel, size, expected)
-    check_digest(rel, h.hexdigest(), expected)
+    check_digest(rel, digest.finish(expected.algorithm, h), expected)

@@ -164,7 +164,8 @@ class CheckpointManager:
         self.cipher = (FileCipher(load_key(config.encryption_key))
                        if config.encryption_key is not None else None)
         self.spec = StorageSpec(config.save_dir, dict(config.storage_options),
-                                retries=config.storage_retries, cipher=self.cipher)
+                                retries=config.storage_retries, cipher=self.cipher,
+                                checksum=config.checksum_algorithm)
         self.storage = self.spec.open()
         if self.storage.is_process_local:
             raise ValueError(f"{config.save_dir!r} is process-local (memory://): Ray workers run "
@@ -488,7 +489,7 @@ class CheckpointManager:
                     files_r, rng = files, None
                 calls.append(w.ckpt_load.remote({
                     "dcp_dir": layout.dcp_dir, "files": files_r,
-                    "check_sha": self.config.enable_checksum,
+                    "checksums": self.config.enable_checksum,
                     "kind": "light" if weights_only else "full",
                     "saved_world_size": layout.world_size, "rng_file": rng,
                     "wait_timeout_s": self.config.save_wait_timeout_s}))

@@ -9,8 +9,9 @@ candidate step directories (``auto``: every committed full checkpoint, newest fi
 3. ``version.json`` (listed in the manifest) is compatible;
 4. every file the manifest lists exists with its recorded size.
 
-sha256 of the small metadata files is always checked here; the shards' sha256 is
-checked by the workers as they stream them (no second read), when enabled.
+The checksums of the small metadata files are always checked here; the shards' are
+checked by the workers as they read them (no second read), when enabled.  Either
+algorithm (:mod:`raycheckpoint.digest`) is read, whatever this job writes.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def _read_listed(storage: Storage, manifest: Manifest, rel: str) -> bytes:
         data = storage.read_bytes(rel)
     except FileNotFoundError as e:
         raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
-    verify_bytes(rel, data, manifest.files.get(rel), check_sha=True)
+    verify_bytes(rel, data, manifest.files.get(rel), checksums=True)
     return data
 
 

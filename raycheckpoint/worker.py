@@ -201,7 +201,7 @@ class CheckpointableWorker:
         """Load this rank's part of a verified checkpoint (resharding if world size changed).
 
         ``request`` keys: ``dcp_dir``, ``files`` (path -> entry dict, this role's files from
-        the manifest), ``check_sha``, ``kind`` (what to load: ``full`` or ``light``),
+        the manifest), ``checksums``, ``kind`` (what to load: ``full`` or ``light``),
         ``saved_world_size``, ``rng_file`` (path of this rank's extra state, or None).
         """
         saver = self._saver()
@@ -211,7 +211,7 @@ class CheckpointableWorker:
         template = self.ckpt_state_dict(kind)
         if f"{request['dcp_dir']}/{DCP_METADATA}" in expected:
             reader = VerifyingStorageReader(saver.storage, request["dcp_dir"], expected,
-                                            check_sha=request["check_sha"])
+                                            checksums=request["checksums"])
             load_verified(template, reader)
             self.ckpt_load_state_dict(template, kind)
         elif template:
@@ -232,7 +232,7 @@ class CheckpointableWorker:
             data = saver.storage.read_bytes(rel)
         except FileNotFoundError as e:
             raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
-        verify_bytes(rel, data, expected.get(rel), check_sha=request["check_sha"])
+        verify_bytes(rel, data, expected.get(rel), checksums=request["checksums"])
         extra = unpack(saver.storage.decrypted(rel, data))
         self.ckpt_load_extra_state(extra.get("state") or {})
         skipped = []

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from raycheckpoint import cli
+from raycheckpoint.format import FORMAT_VERSION
 from tests.helpers import flip_bit
 
 pytestmark = pytest.mark.timeout(300)
@@ -89,7 +90,7 @@ def test_ls_inspect_and_verify(root, capsys):
     assert code == 0 and "step_00000004" in out and "LATEST" in out
 
     code, doc = run_json(capsys, "inspect", root)  # a bare root means its LATEST
-    assert code == 0 and doc["name"] == "step_00000004" and doc["version"]["format_version"] == 1
+    assert code == 0 and doc["name"] == "step_00000004" and doc["version"]["format_version"] == FORMAT_VERSION
     actor = doc["roles"]["actor"]
     assert actor["world_size"] == 2 and "config.json" in actor["assets"]
     names = {t["name"]: t for t in actor["tensors"]}
@@ -169,7 +170,8 @@ def test_verify_names_the_corrupted_file(root, capsys):
     assert code == 1 and not doc["ok"]
     bad = [c for c in doc["checkpoints"] if not c["ok"]]
     assert [c["name"] for c in bad] == ["step_00000004"]
-    assert bad[0]["path"] == "step_00000004/actor/__1_0.distcp" and "sha256" in bad[0]["error"]
+    assert bad[0]["path"] == "step_00000004/actor/__1_0.distcp"
+    assert "does not match the manifest's" in bad[0]["error"]
     # the person at the terminal: a table line naming the file, exit code 1, no traceback
     proc = script("verify", root)
     assert proc.returncode == 1 and "FAILED" in proc.stdout and "__1_0.distcp" in proc.stdout

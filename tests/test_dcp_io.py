@@ -154,8 +154,8 @@ def test_load_record_refuses_what_weights_only_refuses():
         load_record(memoryview(bytearray(buf.getvalue())))
 
 
-@pytest.mark.parametrize("check_sha", [True, False])
-def test_every_byte_of_a_data_file_is_checked_while_tensors_load(tmp_path, check_sha):
+@pytest.mark.parametrize("checksums", [True, False])
+def test_every_byte_of_a_data_file_is_checked_while_tensors_load(tmp_path, checksums):
     """A data file is hashed beside the tensor copies: a flip anywhere in it (zip headers,
     pickles, tensor bytes) fails the load naming the file, even where parsing fails first."""
     storage = Storage(str(tmp_path))
@@ -163,10 +163,10 @@ def test_every_byte_of_a_data_file_is_checked_while_tensors_load(tmp_path, check
     path = "step_00000001/actor/__0_0.distcp"
     clean = storage.read_bytes(path)
     target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}}
-    reader = VerifyingStorageReader(storage, "step_00000001/actor", expected, check_sha=check_sha)
+    reader = VerifyingStorageReader(storage, "step_00000001/actor", expected, checksums=checksums)
     load_verified(target, reader)
     assert torch.equal(target["model"]["w"], _state()["model"]["w"])
-    if not check_sha:
+    if not checksums:
         return
     header_at = clean.index(b"PK\x03\x04")
     for at in (header_at + 8, clean.index(b"data.pkl") + 20, len(clean) // 2, len(clean) - 5):
@@ -182,7 +182,7 @@ def test_every_byte_of_a_data_file_is_checked_while_tensors_load(tmp_path, check
 
 def test_save_record_skips_only_the_zip_crc():
     """Records are torch.save's format, loadable by torch.load, without the per-record
-    CRC32 (the file's sha256 covers the bytes; the CRC cost CPU with the GIL held)."""
+    CRC32 (the file's checksum covers the bytes; the CRC cost CPU with the GIL held)."""
     src = torch.randn(33, 7)
     buf = io.BytesIO()
     save_record(src, buf)
@@ -310,7 +310,7 @@ class _Payload:
 
 def test_a_tampered_non_tensor_record_is_never_unpickled(tmp_path):
     """Non-tensor items (a learning rate, betas) are records torch unpickles with its full
-    unpickler.  In a data file read from a mapping, whose sha256 is checked beside the
+    unpickler.  In a data file read from a mapping, whose checksum is checked beside the
     tensor copies, they are applied only once that check has passed: a tampered file
     fails with IntegrityError and its pickle never runs."""
     storage = Storage(str(tmp_path))
@@ -322,7 +322,7 @@ def test_a_tampered_non_tensor_record_is_never_unpickled(tmp_path):
     assert len(payload) <= lr.length
     data = bytearray(storage.read_bytes(path))
     data[lr.offset:lr.offset + lr.length] = payload + b"\0" * (lr.length - len(payload))
-    storage.write_bytes(path, bytes(data))  # same size: only the sha256 tells
+    storage.write_bytes(path, bytes(data))  # same size: only the checksum tells
     target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},
               "optim": {"step": torch.tensor(0.0), "lr": 0.0, "betas": [0.0, 0.0]}}
     _UNPICKLED.clear()

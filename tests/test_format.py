@@ -123,3 +123,37 @@ def test_an_older_format_is_converted_by_its_registered_converter(tmp_path, monk
     resume.CONVERTERS["metrics-renamed"] = rename_metrics
     ck = open_verified(Storage(root), expected["name"])
     assert ck.trainer_state["metrics"] == {"train/loss": 1.5, "train/reward": 0.25}
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_each_checksum_algorithm_records_which_readers_can_read_it(algorithm, group2, tmp_path):
+    """A job hashing with sha256 writes what format 1 wrote (bare sha256 digests, readable
+    from format 1); with BLAKE3 (the default) the checkpoint is readable from format 2,
+    and a format-1 reader, which can still verify version.json (always sha256), refuses it
+    with the upgrade path rather than calling its files corrupt."""
+    import re
+
+    root = str(tmp_path / "root")
+    m = manager(root, {"actor": group2}, config={"checksum_algorithm": algorithm})
+    try:
+        m.update(step=1)
+        name = m.save_checkpoint().wait(120)["name"]
+    finally:
+        m.close(60)
+    st = Storage(root)
+    ck = open_verified(st, name)
+    since = {"sha256": 1, "blake3": 2}[algorithm]
+    assert ck.version["format_version"] == FORMAT_VERSION and ck.version["compatible_since"] == since
+    digests = {p: e.digest for p, e in ck.manifest.files.items()}
+    assert re.fullmatch("[0-9a-f]{64}", digests[f"{name}/{VERSION}"])
+    others = [d for p, d in digests.items() if not p.endswith(VERSION)]
+    pattern = "[0-9a-f]{64}" if algorithm == "sha256" else "blake3:[0-9a-f]{64}"
+    assert others and all(re.fullmatch(pattern, d) for d in others), digests
+    assert verify_checkpoint(st, name)["files"] == len(digests)
+    with pytest.MonkeyPatch.context() as mp:  # a reader of format 1
+        mp.setattr(resume, "FORMAT_VERSION", 1)
+        if algorithm == "sha256":
+            assert open_verified(st, name).step == 1
+        else:
+            with pytest.raises(IncompatibleCheckpointError, match=r"Upgrade raycheckpoint to >= 0\.2\.0"):
+                open_verified(st, name)

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from raycheckpoint import digest
 from raycheckpoint.storage import Storage
 
 
@@ -24,11 +25,36 @@ def test_write_read_hash_and_ranges(storage):
     data = bytes(range(256)) * 1000
     entry = storage.write_bytes("a/b/file.bin", data)
     assert entry.size == len(data)
-    assert entry.sha256 == hashlib.sha256(data).hexdigest()
+    assert entry.digest == digest.of(data, "blake3")
     assert storage.read_bytes("a/b/file.bin") == data
     assert storage.read_bytes("a/b/file.bin", 10, 20) == data[10:20]
     assert storage.exists("a/b/file.bin") and storage.size("a/b/file.bin") == len(data)
     assert not storage.exists("a/b/nope")
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_files_are_hashed_with_the_storages_algorithm_and_checked_by_their_own(tmp_path, algorithm):
+    """BLAKE3 digests carry their name; sha256 ones are the bare hex format 1 wrote.  A
+    digest is checked with the algorithm that made it, whatever the reader writes."""
+    from raycheckpoint import IntegrityError
+    from raycheckpoint.integrity import verify_bytes, verify_file
+
+    data = bytes(range(256)) * 999
+    entry = Storage(str(tmp_path), checksum=algorithm).write_bytes("f.bin", data)
+    if algorithm == "sha256":
+        assert entry.digest == hashlib.sha256(data).hexdigest()
+    else:
+        import blake3
+
+        assert entry.digest == "blake3:" + blake3.blake3(data).hexdigest()
+    assert entry.algorithm == algorithm
+    other = Storage(str(tmp_path), checksum="sha256" if algorithm == "blake3" else "blake3")
+    verify_file(other, "f.bin", entry)
+    verify_bytes("f.bin", data, entry, checksums=True)
+    with pytest.raises(IntegrityError, match=f"f.bin: {algorithm} [0-9a-f]{{16}}... does not match"):
+        verify_bytes("f.bin", data[:-1] + b"\0", entry, checksums=True)
+    with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
+        Storage(str(tmp_path), checksum="md5")
 
 
 def test_streaming_write_hashes_what_streams(storage):
@@ -38,7 +64,7 @@ def test_streaming_write_hashes_what_streams(storage):
             w.write(c)
         assert w.tell() == 6003
     joined = b"".join(bytes(c) for c in chunks)
-    assert w.entry.sha256 == hashlib.sha256(joined).hexdigest()
+    assert w.entry.digest == digest.of(joined, "blake3")
     assert storage.read_bytes("s/stream.bin") == joined
 
 
@@ -64,7 +90,7 @@ def test_large_chunks_are_hashed_beside_the_write(storage):
     assert hashers() == before  # the helper ends with the file
     joined = b"".join(bytes(c) for c in chunks)
     assert w.entry.size == len(joined)
-    assert w.entry.sha256 == hashlib.sha256(joined).hexdigest()
+    assert w.entry.digest == digest.of(joined, "blake3")
     assert storage.read_bytes("s/large.bin") == joined
 
 
@@ -97,7 +123,7 @@ def test_pieces_are_written_whole_and_hashed_in_order(storage, monkeypatch, cap)
         assert w.tell() == 11 + sum(memoryview(p).nbytes for p in pieces)
     joined = b"before" + b"".join(bytes(p) for p in pieces) + b"after"
     assert storage.read_bytes("s/pieces.bin") == joined
-    assert w.entry.size == len(joined) and w.entry.sha256 == hashlib.sha256(joined).hexdigest()
+    assert w.entry.size == len(joined) and w.entry.digest == digest.of(joined, "blake3")
 
 
 def test_list_and_delete(storage):
