@@ -8,15 +8,19 @@ What this layer adds:
 
 * every file is written through a :class:`~raycheckpoint.storage.HashingWriter`, and
   the writer keeps the resulting :class:`~raycheckpoint.storage.FileEntry` list in
-  ``written`` for the worker to report to the coordinator;
+  ``written`` for the worker to report to the coordinator; a planner that keeps each
+  record's pieces (:class:`~raycheckpoint.dcp_save.ReusingSavePlanner`) has a file's
+  records written in a few ``os.writev`` calls;
 * the reader checks every file it opens against the verified manifest (presence,
   size, checksum), and a flipped bit raises :class:`~raycheckpoint.errors.IntegrityError`
   naming the file.  DCP's pickled ``.metadata`` is verified before it is unpickled.  A
   data file's checksum is computed in a helper thread while its tensors are copied out
-  (only torch's weights-only unpickler ever sees its bytes before that), and checked
-  before the load returns;
+  (only tensor records are read before that; non-tensor items, which DCP unpickles,
+  wait for the check), and checked before the load returns;
 * on local disk a data file is memory-mapped and each tensor is copied straight from the
-  mapping into its destination: no per-item buffer, no intermediate tensor.
+  mapping into its destination: no per-item buffer, no intermediate tensor, and for a
+  record of the layout the metadata names no zip parsing either
+  (:mod:`raycheckpoint.records`).
 
 DCP call order (all ranks unless noted): ``reset`` -> ``set_up_storage_writer`` ->
 ``prepare_local_plan`` -> (coordinator) ``prepare_global_plan`` -> ``write_data`` ->
@@ -26,23 +30,18 @@ DCP call order (all ranks unless noted): ``reset`` -> ``set_up_storage_writer`` 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import io
-import math
 import mmap
 import os
 import pickle
-import sys
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
-import torch._weights_only_unpickler as _weights_only_unpickler
 import torch.distributed.checkpoint as dcp
 import torch.serialization
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -66,250 +65,12 @@ from raycheckpoint import digest
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.format import DCP_METADATA
 from raycheckpoint.integrity import check_digest, check_size, verify_bytes
+from raycheckpoint.records import contiguous_owner, load_record, record_tensor, save_record
 from raycheckpoint.storage import FileEntry, Storage
 
 DCP_SUFFIX = ".distcp"
 # what a rank's parallel reads may hold in memory at once where files are not mapped
 PARALLEL_READ_BYTES = 4 << 30
-
-
-def _contiguous_owner(t: torch.Tensor) -> torch.Tensor:
-    """torch.save writes a tensor's whole storage; make sure that is just this tensor."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.contiguous().clone()
-    return t
-
-
-# torch.save without the zip CRC32s, through the writer torch.save itself uses
-_NO_CRC_SAVE = (hasattr(torch._C, "PyTorchFileWriter")
-                and hasattr(torch.serialization, "_get_storage_alignment")
-                and list(inspect.signature(torch.serialization._save).parameters)
-                == ["obj", "zip_file", "pickle_module", "pickle_protocol",
-                    "_disable_byteorder_record"])
-
-
-def save_record(obj: Any, f: Any) -> None:
-    """``torch.save(obj, f)``, less the zip format's CRC32 of each record.
-
-    The file's checksum already covers every byte, and ``torch.load`` (and DCP's
-    FileSystemReader) read such records alike.  The CRC is computed with the GIL held: it
-    was a quarter of the persist thread's serialization time, taken from training.
-    torch's own switch for it is process-wide; this one touches only these records.
-
-    Without CRCs, the bytes torch writes around a tensor's data depend only on its
-    layout, so a plain CPU tensor whose layout was written before is written from that
-    record's bytes (:func:`_template`): three writes instead of torch's pickler and
-    zip writer (about 40 writes and 0.2 ms a record, for a model's hundreds of records).
-    """
-    if not _NO_CRC_SAVE:  # a torch without the internals this relies on
-        torch.save(obj, f)
-        return
-    pieces = record_pieces(obj) if isinstance(obj, torch.Tensor) else None
-    if pieces is not None:
-        for piece in pieces:
-            f.write(piece)
-        return
-    _torch_record(obj, f)
-    f.flush()
-
-
-def record_pieces(t: torch.Tensor) -> tuple[bytes, memoryview, bytes] | None:
-    """:func:`save_record`'s bytes for ``t`` as three pieces (the middle one views ``t``'s
-    memory), where ``t``'s layout has a template; None where it goes through torch."""
-    if not _NO_CRC_SAVE:
-        return None
-    template = _template(t)
-    if template is None:
-        return None
-    return template[0], _tensor_bytes(t), template[1]
-
-
-def _torch_record(obj: Any, f: Any) -> None:
-    writer = torch._C.PyTorchFileWriter(f, False, torch.serialization._get_storage_alignment())
-    torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
-    writer.write_end_of_file()
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-class _Capture:
-    """A file for torch's zip writer: keeps what is written around the tensor's data."""
-
-    def __init__(self, data: Any) -> None:
-        self._data = np.frombuffer(data, dtype=np.uint8)
-        self.parts: list[bytes | None] = []  # None: where the tensor's bytes were written
-        self.pos = 0
-
-    def write(self, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        if mv.nbytes == self._data.nbytes and np.array_equal(
-                np.frombuffer(mv, dtype=np.uint8), self._data):
-            self.parts.append(None)
-        else:
-            self.parts.append(bytes(mv))
-        self.pos += mv.nbytes
-        return mv.nbytes
-
-    def tell(self) -> int:
-        return self.pos
-
-    def flush(self) -> None:
-        pass
-
-
-# layout -> (bytes before the data, bytes after), or None where a layout cannot be templated
-_TEMPLATES: dict[tuple, tuple[bytes, bytes] | None] = {}
-_MAX_TEMPLATES = 4096
-
-
-def _template(t: torch.Tensor) -> tuple[bytes, bytes] | None:
-    """The bytes torch writes before and after the data of a record of ``t``'s layout.
-
-    Found by writing the record twice, once with ``t``'s bytes and once with every byte
-    inverted: the tensor's bytes must be one write in each, at the same place, and every
-    other byte the same in both, or the layout is never templated.
-    """
-    if (type(t) is not torch.Tensor or t.device.type != "cpu" or t.layout != torch.strided
-            or t.requires_grad or t.is_conj() or t.is_neg() or t.storage_offset() != 0
-            or not t.is_contiguous() or t.numel() == 0
-            or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
-        return None
-    key = (t.dtype, tuple(t.shape), tuple(t.stride()), t.untyped_storage().nbytes())
-    if key in _TEMPLATES:
-        return _TEMPLATES[key]
-    other = t.clone()
-    other.reshape(-1).view(torch.uint8).bitwise_not_()
-    captures = []
-    for x in (t, other):
-        cap = _Capture(_tensor_bytes(x))
-        _torch_record(x, cap)
-        captures.append(cap.parts)
-    a, b = captures
-    template = None
-    if a == b and a.count(None) == 1:
-        at = a.index(None)
-        template = (b"".join(a[:at]), b"".join(a[at + 1:]))
-    if len(_TEMPLATES) >= _MAX_TEMPLATES:
-        _TEMPLATES.clear()
-    _TEMPLATES[key] = template
-    return template
-
-
-class _ViewReader(io.RawIOBase):
-    """A seekable file over a memoryview, for torch's zip reader: it reads the records it
-    asks for (the small pickle and headers), never the tensor bytes."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view, self._pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), len(self._view) - self._pos))
-        b[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-
-# torch.load(weights_only=True) with its storages viewing the caller's buffer: torch's own
-# reader (the one its mmap=True path uses) handed the record as one "overall storage"
-_ZERO_COPY_LOAD = (hasattr(torch.serialization, "_open_zipfile_reader")
-                   and "overall_storage" in inspect.signature(torch.serialization._load).parameters)
-
-
-@dataclass(frozen=True)
-class _TensorLayout:
-    """The tensor a one-storage ``torch.save`` record's pickle builds over its storage."""
-
-    nbytes: int
-    dtype: torch.dtype
-    storage_offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-_LAYOUT_CACHE_MAX = 4096
-_layouts: dict[bytes, _TensorLayout] = {}  # data.pkl bytes -> the tensor it builds
-_layouts_lock = threading.Lock()
-
-
-def load_record(blob: memoryview) -> Any:
-    """What ``torch.load(weights_only=True)`` returns for the ``torch.save`` record in ``blob``.
-
-    The loaded tensors' storages view ``blob`` (which must be writable); nothing is copied,
-    so the caller copies what it keeps before ``blob`` goes away.  Same zip reader, same
-    unpickler, same byte-order handling as ``torch.load``.  A checkpoint holds hundreds of
-    tensors of a few shapes, and torch's weights-only unpickler is pure Python: a record
-    whose pickle equals one seen before (same dtype, shape, strides) is built from that
-    one's result over its own storage, without unpickling it again.
-    """
-    if not _ZERO_COPY_LOAD:  # a torch without the internals this relies on
-        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    with torch.serialization._open_zipfile_reader(_ViewReader(blob)) as zip_file:
-        native = (zip_file.has_record("byteorder")
-                  and zip_file.get_record("byteorder").decode() == sys.byteorder)
-        pkl = zip_file.get_record("data.pkl") if native else None
-        layout = None if pkl is None else _layouts.get(pkl)
-        if layout is not None and zip_file.get_record_size("data/0") == layout.nbytes:
-            at = zip_file.get_record_offset("data/0")
-            storage = torch.frombuffer(blob[at:at + layout.nbytes], dtype=torch.uint8)
-            return torch.empty(0, dtype=layout.dtype).set_(
-                storage.untyped_storage(), layout.storage_offset, layout.size, layout.stride)
-        whole = torch.frombuffer(blob, dtype=torch.uint8).untyped_storage()
-        try:
-            obj = torch.serialization._load(zip_file, "cpu", _weights_only_unpickler,
-                                            overall_storage=whole, encoding="utf-8")
-        except pickle.UnpicklingError as e:
-            raise pickle.UnpicklingError(f"weights-only load refused the record: {e}") from None
-        if (pkl is not None and type(obj) is torch.Tensor and not obj.requires_grad
-                and obj.untyped_storage().nbytes() > 0 and len(_layouts) < _LAYOUT_CACHE_MAX
-                and [r for r in zip_file.get_all_records() if r.startswith("data/")] == ["data/0"]):
-            with _layouts_lock:
-                _layouts[pkl] = _TensorLayout(
-                    nbytes=obj.untyped_storage().nbytes(), dtype=obj.dtype,
-                    storage_offset=obj.storage_offset(), size=tuple(obj.size()),
-                    stride=tuple(obj.stride()))
-    return obj
-
-
-def record_tensor(record: memoryview, dtype: torch.dtype, sizes: tuple[int, ...]) -> torch.Tensor:
-    """The tensor of a record known to hold a contiguous ``dtype`` tensor of ``sizes``.
-
-    The bytes torch writes around a tensor's data depend only on its layout
-    (:func:`_template`), so where ``record`` is this torch's template for that layout
-    around data of the right length, it is exactly ``torch.save`` of such a tensor, and
-    the tensor views its data: no zip parsing, no unpickling (torch's reader took about
-    0.1 ms a record, a model's hundreds of records per file).  Any other record (one
-    with CRCs, from another torch, or not what the metadata says) is read by torch's own
-    reader (:func:`load_record`).  Like it, the tensor views ``record``.
-    """
-    template = _template(torch.empty(sizes, dtype=dtype)) if _NO_CRC_SAVE else None
-    if template is not None:
-        before, after = template
-        nbytes = math.prod(sizes) * dtype.itemsize
-        if (len(record) == len(before) + nbytes + len(after) and record[:len(before)] == before
-                and record[len(before) + nbytes:] == after):
-            data = torch.frombuffer(record[len(before):len(before) + nbytes], dtype=torch.uint8)
-            return data.view(dtype).view(sizes)
-    return load_record(record)
 
 
 class HashingStorageWriter(StorageWriter):
@@ -365,7 +126,7 @@ class HashingStorageWriter(StorageWriter):
                         else:
                             w.write_many(pending)
                             pending = []
-                            save_record(_contiguous_owner(planner.resolve_data(item)), w)
+                            save_record(contiguous_owner(planner.resolve_data(item)), w)
                             length = w.tell() - at
                         results.append(WriteResult(index=item.index, size_in_bytes=length,
                                                    storage_data=_StorageInfo(file_name, at, length)))

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, Metadata, SavePlan
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from raycheckpoint.dcp_io import _contiguous_owner, record_pieces
+from raycheckpoint.records import contiguous_owner, record_pieces
 
 # what a rank says in an agreement (the all-reduce takes the minimum)
 FAILED, CHANGED, SAME = 0, 1, 2
@@ -84,7 +84,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
             return None
         if write_item.index not in self._pieces:
             tensor = self.resolve_data(write_item)
-            owner = _contiguous_owner(tensor)
+            owner = contiguous_owner(tensor)
             same_memory = owner.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
             self._pieces[write_item.index] = record_pieces(owner) if same_memory else None
         return self._pieces[write_item.index]

@@ -14,13 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from raycheckpoint import IntegrityError
-from raycheckpoint.dcp_io import (
-    HashingStorageWriter,
-    VerifyingStorageReader,
-    load_record,
-    load_verified,
-    save_record,
-)
+from raycheckpoint.dcp_io import HashingStorageWriter, VerifyingStorageReader, load_verified
+from raycheckpoint.records import load_record, save_record
 from raycheckpoint.storage import Storage
 
 
@@ -197,7 +192,7 @@ def test_records_of_a_known_layout_are_torchs_bytes():
     """A record written from its layout's template is byte for byte what torch's writer
     writes (without CRCs), and loads back, for every dtype and shape tried; a layout that
     cannot be templated (a view into a larger storage) goes through torch's writer."""
-    from raycheckpoint.dcp_io import _TEMPLATES, _template, _torch_record
+    from raycheckpoint.records import _TEMPLATES, _template, _torch_record
 
     tensors = [torch.randn(33, 7), torch.randn(()), torch.randn(5).to(torch.bfloat16),
                torch.tensor([True, False, True]), torch.arange(9), torch.ones(1, dtype=torch.uint8),
@@ -343,13 +338,13 @@ def test_a_record_of_a_known_layout_is_read_without_torchs_reader(make, monkeypa
     the loader knows from the metadata: such a record's tensor views its data, no zip
     parsing.  Anything else (CRCs written, another layout than the metadata says) goes to
     torch's own reader, with the same result."""
-    from raycheckpoint import dcp_io
-    from raycheckpoint.dcp_io import record_tensor
+    from raycheckpoint import records
+    from raycheckpoint.records import record_tensor
 
     src = make()
     parsed = []
-    real = dcp_io.load_record
-    monkeypatch.setattr(dcp_io, "load_record", lambda b: parsed.append(1) or real(b))
+    real = records.load_record
+    monkeypatch.setattr(records, "load_record", lambda b: parsed.append(1) or real(b))
     buf = io.BytesIO()
     save_record(src, buf)
     blob = memoryview(bytearray(buf.getvalue()))
