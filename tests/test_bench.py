@@ -169,3 +169,12 @@ def test_a_ranks_sweep_is_plotted_as_one_line_per_method(tmp_path):
         plot(points, str(tmp_path / "plot.png"))
     assert drawn == [4, 4, 4, 4]  # stall and durable: the method and the limit, all 4 points
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.long
+def test_release_ab_times_the_tree_it_imports(ray_session, tmp_path):
+    from bench.release_ab import main
+
+    out = main(["--ranks", "2", "--bytes-per-rank", "1MB", "--saves", "1",
+                "--storage", str(tmp_path / "store")])
+    assert out["durable_s"] > 0 and out["load_s"] > 0
