@@ -75,6 +75,31 @@ def _counting(real, calls: list[int]):
     return counted
 
 
+def _check_staging(root: str, state) -> None:
+    """A snapshot stages FSDP2's DTensors into buffers of the same placements, and a
+    DTensor whose placements change (its local shard the same) gets buffers anew."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from raycheckpoint.snapshot import ShardSaver
+    from raycheckpoint.storage import StorageSpec
+
+    saver = ShardSaver(role="actor", rank=dist.get_rank(), world_size=dist.get_world_size(),
+                       storage=StorageSpec(root))
+    s = state()
+    for _ in range(2):  # built, then staged against what was built
+        staged = saver._stage("full", s)
+        for k, v in s["model"].items():
+            assert isinstance(staged["model"][k], DTensor)
+            assert staged["model"][k].placements == v.placements
+            assert torch.equal(staged["model"][k].to_local(), v.to_local())
+    w = s["model"]["0.weight"]
+    s["model"]["0.weight"] = DTensor.from_local(w.to_local(), w.device_mesh, [Replicate()],
+                                                run_check=False)
+    staged = saver._stage("full", s)
+    assert staged["model"]["0.weight"].placements == (Replicate(),)
+    assert torch.equal(staged["model"]["0.weight"].to_local(), w.to_local())
+
+
 def _rank_main(rank: int, world: int, port: int, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
@@ -142,6 +167,7 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
         calls = len(full_protocol)
         ours("s8")
         assert len(full_protocol) == calls + 1
+        _check_staging(root, state)
         dist.barrier(group)
     finally:
         dist.destroy_process_group()
