@@ -10,7 +10,8 @@ two versions of the code, run alternately on one machine.
 
 Each run builds one benchmark group (bench._ranks) on a local Ray instance, whose workers
 inherit ``PYTHONPATH`` and so import the same tree (printed), then saves and loads through
-``CheckpointManager`` ``--saves`` times after one warm-up, and prints the medians: durable
+``CheckpointManager`` ``--saves`` times after one warm-up, and prints the medians: stall
+(``save_checkpoint``'s blocked time, and the slowest worker's part of it), durable
 (``save_checkpoint`` to committed) and load (cold page cache).  Runs of the two trees,
 alternated, are what compare; one run alone says little on a shared machine.
 """
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         imported = ray.get(group[0].__ray_call__.remote(
             lambda self: __import__("raycheckpoint").__file__), timeout=TIMEOUT_S)
         manager = _manager(storage, group)
-        durable, load = [], []
+        durable, load, stall, worker_stall = [], [], [], []
         try:
             for i in range(args.saves + 1):  # the first is a warm-up
                 manager.update(step=i + 1)
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 handle = manager.save_checkpoint()
                 handle.wait(TIMEOUT_S)
                 durable.append(time.perf_counter() - t0)
+                stall.append(handle.stall_s)
+                worker_stall.append(handle.worker_stall_s)
                 storage.drop_cache("raycheckpoint")
                 t0 = time.perf_counter()
                 manager.load_checkpoint(handle.name)
@@ -63,9 +66,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     finally:
         _kill(group, placement)
         storage.close()
-    out = {"durable_s": statistics.median(durable[1:]), "load_s": statistics.median(load[1:])}
+    out = {name: statistics.median(values[1:]) for name, values in (
+        ("stall_s", stall), ("worker_stall_s", worker_stall), ("durable_s", durable),
+        ("load_s", load))}
     print(f"raycheckpoint {raycheckpoint.__version__} ({raycheckpoint.__file__}; workers: {imported}): "
-          f"{args.ranks} ranks x {args.bytes_per_rank / 1e6:.0f} MB, durable {out['durable_s']:.3f} s, "
+          f"{args.ranks} ranks x {args.bytes_per_rank / 1e6:.0f} MB, stall {1e3 * out['stall_s']:.1f} ms "
+          f"(workers {1e3 * out['worker_stall_s']:.1f} ms), durable {out['durable_s']:.3f} s, "
           f"load {out['load_s']:.3f} s (medians of {args.saves})")
     return out
 

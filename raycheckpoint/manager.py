@@ -5,9 +5,10 @@ actor, sets up the workers' savers, and drives the protocol:
 
 * ``save_checkpoint(tag=None, kind="full")`` asks the coordinator to ``begin``, calls
   ``ckpt_snapshot`` on every worker in parallel (returns after their host copy), then
-  ``ckpt_start_persist`` without waiting, and returns a :class:`SaveHandle` at once;
-  persisting and committing go on in the background.  ``handle.wait(timeout)`` returns
-  the commit result or raises the error.
+  the coordinator's ``persist`` without waiting (it starts the workers' persists and
+  answers when the save has finished), and returns a :class:`SaveHandle` on that answer
+  at once; persisting and committing go on in the background.  ``handle.wait(timeout)``
+  returns the commit result or raises the error.
 * ``load_checkpoint(ref, strict=True)`` resolves, verifies and loads a checkpoint into
   every worker (resharding when the world size changed), then restores the driver's
   RNG and data loader.  ``"auto"`` skips checkpoints that fail verification.
@@ -114,30 +115,46 @@ class SaveHandle:
     """A save in flight: ``done()``, ``wait(timeout)``; errors are re-raised unchanged."""
 
     def __init__(self, manager: CheckpointManager, *, save_id: str | None, name: str, step: int,
-                 kind: str, stall_s: float, worker_stall_s: float, existing: dict | None = None):
+                 kind: str, stall_s: float, worker_stall_s: float, existing: dict | None = None,
+                 finished: ray.ObjectRef | None = None):
         self._manager = manager
         self.save_id, self.name, self.step, self.kind = save_id, name, step, kind
         self.stall_s, self.worker_stall_s = stall_s, worker_stall_s
         self._result: dict[str, Any] | None = existing
         self._error: BaseException | None = None
         self.observed = existing is not None
+        # the coordinator's answer to persist(): ready when the save has finished, so
+        # done() asks the local object store, not the coordinator
+        self._finished = finished
 
     def done(self) -> bool:
         if self._result is not None or self._error is not None:
             return True
+        if self._finished is not None:
+            ready, _ = ray.wait([self._finished], timeout=0)
+            return bool(ready)
         status = _get(self._manager._coordinator.status.remote(self.save_id),
                       self._manager.config.rpc_timeout_s)
         return status != "pending"
+
+    def _answer(self, timeout: float | None) -> dict[str, Any]:
+        if self._finished is None:
+            rpc = self._manager.config.rpc_timeout_s
+            return _get(self._manager._coordinator.wait.remote(self.save_id, timeout),
+                        None if timeout is None else timeout + rpc)
+        try:
+            return _get(self._finished, timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"save {self.name} ({self.save_id}) not finished after "
+                               f"{timeout}s") from None
 
     def wait(self, timeout: float | None = None) -> dict[str, Any]:
         self.observed = True
         if self._error is not None:
             raise self._error
         if self._result is None:
-            rpc = self._manager.config.rpc_timeout_s
             try:
-                self._result = _get(self._manager._coordinator.wait.remote(self.save_id, timeout),
-                                    None if timeout is None else timeout + rpc)
+                self._result = self._answer(timeout)
             except (RayCheckpointError, TimeoutError) as e:
                 if isinstance(e, TimeoutError) and not isinstance(e, RayCheckpointError):
                     raise  # still running: not a failure of the save
@@ -207,7 +224,7 @@ class CheckpointManager:
         rpc = config.rpc_timeout_s
         _get([w.ckpt_setup.remote(role=role, rank=rank, world_size=len(ws), storage=self.spec,
                                   report_timeout_s=rpc, persist_nice=config.persist_nice,
-                                  freeze_gc=config.freeze_gc)
+                                  freeze_gc=config.freeze_gc, coordinator=self._coordinator)
               for role, ws in self.groups.items() for rank, w in enumerate(ws)], rpc)
         _get(self._coordinator.register_workers.remote(self.workers), rpc)
         self._refresh_identities()
@@ -332,25 +349,26 @@ class CheckpointManager:
                               stall_s=time.perf_counter() - t0, worker_stall_s=0.0,
                               existing={**e, "existing": True})
         save_id, name = begun["save_id"], begun["name"]
-        writers = [w for role, ws in self.groups.items() if role not in begun["reused"] for w in ws]
-        try:
-            snaps = _get([w.ckpt_snapshot.remote(save_id, name, kind, self._coordinator,
+        writers = [(i, w) for i, (role, w) in enumerate(
+            (role, w) for role, ws in self.groups.items() for w in ws) if role not in begun["reused"]]
+        try:  # the workers report to the coordinator they were set up with
+            snaps = _get([w.ckpt_snapshot.remote(save_id, name, kind, None,
                                                  self.config.save_wait_timeout_s, True,
                                                  self.config.overlap_copy)
-                          for w in writers], self.config.save_wait_timeout_s + rpc)
+                          for _, w in writers], self.config.save_wait_timeout_s + rpc)
         except BaseException as e:
             self._coordinator.abort.remote(save_id, f"snapshot failed: {type(e).__name__}: {e}")
             raise CheckpointSaveError(f"snapshot for {name} failed: {type(e).__name__}: {e}",
                                       failures={"snapshot": repr(e)}) from e
-        # every rank answered before any persist thread competes for its GIL; not waited for:
-        # a failed persist reports to the coordinator, and a start that never arrives happens
-        # at the worker's next snapshot, load or wait
-        for w in writers:
-            w.ckpt_start_persist.remote(save_id)
-        self._coordinator.snapshotted.remote(save_id)
+        # every rank answered before any persist thread competes for its GIL.  The
+        # coordinator starts the persists (one call here, whatever the number of workers);
+        # not waited for: a failed persist reports to the coordinator, and a start that
+        # never arrives happens at the worker's next snapshot, load or wait
+        finished = self._coordinator.persist.remote(save_id, [i for i, _ in writers])
         handle = SaveHandle(self, save_id=save_id, name=name, step=step, kind=kind,
                             stall_s=time.perf_counter() - t0,
-                            worker_stall_s=max((s["stall_s"] for s in snaps), default=0.0))
+                            worker_stall_s=max((s["stall_s"] for s in snaps), default=0.0),
+                            finished=finished)
         self._handles.append(handle)
         return handle
 

@@ -19,8 +19,9 @@ implements four hooks:
 The driver-side :class:`~raycheckpoint.manager.CheckpointManager` calls the
 ``ckpt_*`` remote methods below; a worker never decides what is committed.
 Call order: ``ckpt_setup`` once, then per save ``ckpt_snapshot`` (returns after the
-host copy) and ``ckpt_start_persist`` (sent once every rank has answered, so no rank's
-answer waits behind its persist thread), and per resume ``ckpt_load``.
+host copy) and ``ckpt_start_persist`` (sent by the coordinator once every rank has
+answered, so no rank's answer waits behind its persist thread), and per resume
+``ckpt_load``.
 
 Overlapped copy (``checkpoint.overlap_copy``): a worker that calls
 ``self.ckpt_guard(optimizer)`` lets ``ckpt_snapshot`` return before its host copy is
@@ -61,6 +62,7 @@ class CheckpointableWorker:
     ckpt_world_size: int
     _ckpt_saver: ShardSaver | None = None
     _ckpt_guards: list[Any] | None = None
+    _ckpt_coordinator: Any = None
 
     # ---- hooks a worker implements ------------------------------------------------------
 
@@ -85,9 +87,14 @@ class CheckpointableWorker:
     def ckpt_setup(self, *, role: str, rank: int, world_size: int, storage: StorageSpec,
                    process_group: dist.ProcessGroup | None = None,
                    report_timeout_s: float = 300.0, persist_nice: int = 0,
-                   freeze_gc: bool = False) -> None:
-        """Set up this rank's saver; ``freeze_gc``: see ``CheckpointConfig.freeze_gc``."""
+                   freeze_gc: bool = False, coordinator: Any = None) -> None:
+        """Set up this rank's saver; ``freeze_gc``: see ``CheckpointConfig.freeze_gc``.
+
+        ``coordinator``: the handle snapshots report to unless they are given one (kept
+        here so that each save's calls need not carry it).
+        """
         self.ckpt_role, self.ckpt_rank, self.ckpt_world_size = role, rank, world_size
+        self._ckpt_coordinator = coordinator
         if freeze_gc:
             gc.collect()  # garbage now would never be collected once frozen
             gc.freeze()
@@ -138,12 +145,15 @@ class CheckpointableWorker:
                       overlap: bool = False) -> dict[str, Any]:
         """Stage this rank's state; the persist starts now, or with ``defer_persist`` on
         ``ckpt_start_persist`` (so this call's answer does not wait behind it).
+        ``coordinator``: where the persist reports; None for the one from ``ckpt_setup``.
 
         ``overlap``: on a worker with a guarded optimizer (:meth:`ckpt_guard`), return
         before the host copy, which then overlaps training up to the optimizer step.
         """
         t0 = time.perf_counter()
         saver = self._saver()
+        if coordinator is None:
+            coordinator = self._ckpt_coordinator
         saver.wait_previous(wait_timeout_s)  # the host buffers are reused: never overwrite a
         with torch.no_grad():                # copy that is still being written
             state = self.ckpt_state_dict(kind)

@@ -178,3 +178,4 @@ def test_release_ab_times_the_tree_it_imports(ray_session, tmp_path):
     out = main(["--ranks", "2", "--bytes-per-rank", "1MB", "--saves", "1",
                 "--storage", str(tmp_path / "store")])
     assert out["durable_s"] > 0 and out["load_s"] > 0
+    assert 0 < out["worker_stall_s"] <= out["stall_s"] < out["durable_s"]
