@@ -114,6 +114,12 @@ class CheckpointCoordinator:
         # (the only writer of checkpoints under the root), so a commit costs few metadata reads
         self._markers: dict[str, Marker] = {}
         self._tags: dict[str, str] = {}
+        # step directories that may hold files but no marker (an aborted save, a deletion
+        # cut short), from this actor's own listings and what it wrote and deleted since:
+        # begin() clears such a directory before a save writes there, and lists storage
+        # (a LIST request on an object store, in training's blocked time) only for those.
+        # None until the first listing: begin() then lists every time
+        self._unmarked: set[str] | None = None
         self.recovery = self._recover() if recover else {}
 
     # ---- recovery and catalog ---------------------------------------------------------------
@@ -150,6 +156,8 @@ class CheckpointCoordinator:
                 if not dry_run:
                     self.storage.write_pointer(CATALOG, json_bytes(doc))
                 report["rebuilt_catalog"] = True
+            if not dry_run:  # what collecting deletes leaves the set
+                self._unmarked = set(uncommitted) | self._in_flight()
             report["collected"], report["kept_recent"] = self._collect_leftovers(
                 uncommitted, dry_run=dry_run, grace_s=leftover_grace_s)
             report["deleted"] = self._apply_retention(markers, tags, dry_run=dry_run)
@@ -200,6 +208,8 @@ class CheckpointCoordinator:
 
     def _delete_step(self, name: str, referenced: set[str]) -> None:
         """Delete a step directory, marker first, keeping files other manifests reference."""
+        if self._unmarked is not None:
+            self._unmarked.add(name)  # until the deletion is complete
         self.storage.delete(f"{name}/{COMMITTED}")
         if any(p.startswith(name + "/") for p in referenced):
             for path in self.storage.list_files(name):
@@ -208,6 +218,8 @@ class CheckpointCoordinator:
         else:
             self.storage.delete_tree(name)
         self._manifests.pop(name, None)
+        if self._unmarked is not None and not any(p.startswith(name + "/") for p in referenced):
+            self._unmarked.discard(name)
 
     def _manifest(self, name: str) -> Manifest | None:
         if name not in self._manifests:
@@ -299,8 +311,11 @@ class CheckpointCoordinator:
                 upgraded = self._markers.get(name)
                 if upgraded is not None:
                     return {"existing": upgraded.to_catalog_entry()}
-            if self.storage.list_dir(name):  # leftover of an aborted attempt at this step
+            if ((self._unmarked is None or name in self._unmarked)
+                    and self.storage.list_dir(name)):  # leftover of an aborted attempt
                 self._delete_step(name, self._referenced(self._markers))
+            if self._unmarked is not None:
+                self._unmarked.add(name)  # until its marker is written
             frozen = dict(frozen or {})
             reused = self._find_reusable(frozen, world_sizes)
             expected = [e for e in expected if e[0] not in reused]
@@ -474,6 +489,7 @@ class CheckpointCoordinator:
             report["deleted"] = self._apply_retention(self._sorted_markers(), dict(self._tags),
                                                       protect=(save.name,))
             uncommitted = [n for n in catalog.step_dirs(self.storage) if n not in self._markers]
+            self._unmarked = set(uncommitted) | self._in_flight()
             report["collected"], _ = self._collect_leftovers(uncommitted)
         except Exception as e:  # logged, and reported by wait_cleanup()
             logger.exception("clean-up after %s failed; the next one retries it", save.name)
@@ -533,6 +549,8 @@ class CheckpointCoordinator:
         s.create_marker(f"{name}/{COMMITTED}", marker.to_bytes())
         self._manifests[name] = manifest
         self._markers[name] = marker
+        if self._unmarked is not None:
+            self._unmarked.discard(name)
         faults.check("coordinator.after_marker", path=name)
         markers = self._sorted_markers()
         if save.kind == "full" and catalog.expected_latest(markers) == name:
