@@ -43,6 +43,17 @@ def s3_root(s3_server):
     return f"s3://ckpt/{uuid.uuid4().hex[:10]}", s3_server["options"]
 
 
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def storage_spec(request, tmp_path):
+    """A fresh checkpoint root, once on local disk and once on the S3 server."""
+    from raycheckpoint.storage import StorageSpec
+
+    if request.param == "local":
+        return StorageSpec(str(tmp_path / "root"))
+    root, options = request.getfixturevalue("s3_root")
+    return StorageSpec(root, options)
+
+
 METRICS_PORT: list[int] = []
 
 

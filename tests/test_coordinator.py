@@ -15,12 +15,9 @@ from raycheckpoint.coordinator import CheckpointCoordinator
 from raycheckpoint.storage import Storage, StorageSpec
 
 
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
-def spec(request, tmp_path):
-    if request.param == "local":
-        return StorageSpec(str(tmp_path / "root"))
-    root, options = request.getfixturevalue("s3_root")
-    return StorageSpec(root, options)
+@pytest.fixture
+def spec(storage_spec):
+    return storage_spec
 
 
 def _coordinator(spec: StorageSpec) -> tuple[CheckpointCoordinator, list[str]]:

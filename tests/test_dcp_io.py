@@ -25,12 +25,9 @@ def _state():
             "optim": {"step": torch.tensor(3.0), "lr": 0.01, "betas": [0.9, 0.99]}}
 
 
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
-def storage(request, tmp_path):
-    if request.param == "local":
-        return Storage(str(tmp_path / "root"))
-    root, options = request.getfixturevalue("s3_root")
-    return Storage(root, options)
+@pytest.fixture
+def storage(storage_spec):
+    return storage_spec.open()
 
 
 def _save(storage):
