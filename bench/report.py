@@ -208,6 +208,24 @@ def markdown(points: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def virtual_markdown(results: dict[str, Any]) -> str:
+    """bench/README.md's table for a ``--virtual-ranks`` run's results."""
+    c = results["config"]
+    out = [f"Virtual ranks ({c['storage']}, {c['hosts']} host processes, {c['shard_bytes']} B "
+           f"shards, median of {c['repeat']}):", "",
+           "| ranks | commit overhead s | coordinator commit s | save s | verify s |",
+           "|---:|---:|---:|---:|---:|"]
+    for n, row in sorted(results["virtual_ranks"].items(), key=lambda kv: int(kv[0])):
+        out.append(f"| {n} | {row['commit_overhead_s']:.3f} | {row['commit_s']:.3f} | "
+                   f"{row['save_s']:.3f} | {row['verify_s']:.3f} |")
+    g = results.get("growth")
+    if g:
+        out += ["", f"Growth {g['ranks'][0]} → {g['ranks'][1]} ranks ({_TIMES}{g['ranks_ratio']:.0f}): "
+                f"commit overhead {_TIMES}{g['commit_overhead_ratio']:.2f}, coordinator commit "
+                f"{_TIMES}{g['commit_s_ratio']:.2f}."]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
@@ -221,6 +239,10 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.results:
         with open(path) as f:
             doc = json.load(f)
+        if "virtual_ranks" in doc:  # a --virtual-ranks run: coordination, no methods
+            print(virtual_markdown(doc))
+            print()
+            continue
         points = doc.get("points") or [doc]
         print(markdown(points))
         print()

@@ -58,7 +58,7 @@ def test_save_latency_bench_runs_every_method_and_writes_results(ray_session, tm
     assert not list((tmp_path / "store").rglob("*.distcp"))
 
 
-def test_virtual_ranks_commit_through_the_real_coordinator(ray_session, tmp_path):
+def test_virtual_ranks_commit_through_the_real_coordinator(ray_session, tmp_path, capsys):
     from bench.save_latency import BenchStorage
     from bench.virtual_ranks import run_virtual, virtual_table
 
@@ -74,6 +74,12 @@ def test_virtual_ranks_commit_through_the_real_coordinator(ray_session, tmp_path
         assert 0 < row["commit_s"] <= row["save_s"]
     assert results["growth"]["ranks_ratio"] == 4
     assert "16" in virtual_table(results)
+    from bench.report import main as report
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    report([str(path)])  # bench.report prints a virtual run's table too
+    assert "| 16 |" in capsys.readouterr().out
 
 
 def test_a_deferred_persist_never_started_by_the_driver_still_commits(group2, local_root):
