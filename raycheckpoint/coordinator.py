@@ -6,12 +6,10 @@ It is a plain class, run as a threaded Ray actor by the manager
 1. ``begin(step, kind, ...)`` reserves a step directory and the set of expected
    (role, rank) reports; a save still in flight is waited for first (bounded), so two
    saves of a job never interleave their commits.
-2. The driver calls ``persist(save_id, writers)`` once every worker holds its host copy:
-   the commit timeout counts from then, the coordinator starts the writers' persists
-   (``ckpt_start_persist``, so the driver's blocked time does not grow with the number
-   of workers), and the call answers when the save has finished, as ``wait`` does: it
-   is the driver's handle on the save.  Workers call ``report(save_id, role, rank,
-   files, error)`` from their persist threads.
+2. The driver calls ``await_save(save_id)`` once every worker holds its host copy: the
+   commit timeout counts from then, and the call answers when the save has finished, as
+   ``wait`` does (it is the driver's handle on the save).  Workers call
+   ``report(save_id, role, rank, files, error)`` from their persist threads.
 3. A commit thread per save waits for every report (timeout: ``commit_timeout_s``; the
    error names the missing pairs), then writes, in this order: ``trainer_state.json``,
    ``version.json``, ``manifest.msgpack``, ``COMMITTED``, ``LATEST`` (full only) and the
@@ -356,18 +354,10 @@ class CheckpointCoordinator:
                 save.deadline = time.time() + self.config.commit_timeout_s
                 self._cond.notify_all()
 
-    def persist(self, save_id: str, writers: list[int]) -> dict[str, Any]:
-        """Every worker has its host copy: start the persists of ``writers`` (indices into
-        the registered workers), then answer as :meth:`wait` does when the save finishes.
-
-        A worker this never reaches starts its persist at its next snapshot, load or wait.
-        """
+    def await_save(self, save_id: str) -> dict[str, Any]:
+        """:meth:`snapshotted`, then answer as :meth:`wait` does once the save has finished:
+        the driver holds this call's answer as its handle on the save."""
         self.snapshotted(save_id)
-        for i in writers:
-            try:
-                self._workers[i].ckpt_start_persist.remote(save_id)
-            except Exception as e:  # noqa: BLE001 - its missing report aborts the save
-                logger.warning("starting the persist of worker %d for %s failed: %s", i, save_id, e)
         return self.wait(save_id)
 
     def report(self, save_id: str, role: str, rank: int, files: list[dict[str, Any]],

@@ -5,9 +5,9 @@ actor, sets up the workers' savers, and drives the protocol:
 
 * ``save_checkpoint(tag=None, kind="full")`` asks the coordinator to ``begin``, calls
   ``ckpt_snapshot`` on every worker in parallel (returns after their host copy), then
-  the coordinator's ``persist`` without waiting (it starts the workers' persists and
-  answers when the save has finished), and returns a :class:`SaveHandle` on that answer
-  at once; persisting and committing go on in the background.  ``handle.wait(timeout)``
+  ``ckpt_start_persist`` and the coordinator's ``await_save`` without waiting, and
+  returns a :class:`SaveHandle` on that call's answer at once; persisting and committing
+  go on in the background.  ``handle.wait(timeout)``
   returns the commit result or raises the error.
 * ``load_checkpoint(ref, strict=True)`` resolves, verifies and loads a checkpoint into
   every worker (resharding when the world size changed), then restores the driver's
@@ -123,7 +123,7 @@ class SaveHandle:
         self._result: dict[str, Any] | None = existing
         self._error: BaseException | None = None
         self.observed = existing is not None
-        # the coordinator's answer to persist(): ready when the save has finished, so
+        # the coordinator's answer to await_save(): ready when the save has finished, so
         # done() asks the local object store, not the coordinator
         self._finished = finished
 
@@ -349,22 +349,23 @@ class CheckpointManager:
                               stall_s=time.perf_counter() - t0, worker_stall_s=0.0,
                               existing={**e, "existing": True})
         save_id, name = begun["save_id"], begun["name"]
-        writers = [(i, w) for i, (role, w) in enumerate(
-            (role, w) for role, ws in self.groups.items() for w in ws) if role not in begun["reused"]]
+        writers = [w for role, ws in self.groups.items() if role not in begun["reused"] for w in ws]
         try:  # the workers report to the coordinator they were set up with
             snaps = _get([w.ckpt_snapshot.remote(save_id, name, kind, None,
                                                  self.config.save_wait_timeout_s, True,
                                                  self.config.overlap_copy)
-                          for _, w in writers], self.config.save_wait_timeout_s + rpc)
+                          for w in writers], self.config.save_wait_timeout_s + rpc)
         except BaseException as e:
             self._coordinator.abort.remote(save_id, f"snapshot failed: {type(e).__name__}: {e}")
             raise CheckpointSaveError(f"snapshot for {name} failed: {type(e).__name__}: {e}",
                                       failures={"snapshot": repr(e)}) from e
-        # every rank answered before any persist thread competes for its GIL.  The
-        # coordinator starts the persists (one call here, whatever the number of workers);
-        # not waited for: a failed persist reports to the coordinator, and a start that
-        # never arrives happens at the worker's next snapshot, load or wait
-        finished = self._coordinator.persist.remote(save_id, [i for i, _ in writers])
+        # every rank answered before any persist thread competes for its GIL; sent from
+        # here, so each start is queued ahead of the driver's next call to that worker (the
+        # next training step); not waited for: a failed persist reports to the coordinator,
+        # and a start that never arrives happens at the worker's next snapshot, load or wait
+        for w in writers:
+            w.ckpt_start_persist.remote(save_id)
+        finished = self._coordinator.await_save.remote(save_id)
         handle = SaveHandle(self, save_id=save_id, name=name, step=step, kind=kind,
                             stall_s=time.perf_counter() - t0,
                             worker_stall_s=max((s["stall_s"] for s in snaps), default=0.0),

@@ -19,9 +19,8 @@ implements four hooks:
 The driver-side :class:`~raycheckpoint.manager.CheckpointManager` calls the
 ``ckpt_*`` remote methods below; a worker never decides what is committed.
 Call order: ``ckpt_setup`` once, then per save ``ckpt_snapshot`` (returns after the
-host copy) and ``ckpt_start_persist`` (sent by the coordinator once every rank has
-answered, so no rank's answer waits behind its persist thread), and per resume
-``ckpt_load``.
+host copy) and ``ckpt_start_persist`` (sent once every rank has answered, so no rank's
+answer waits behind its persist thread), and per resume ``ckpt_load``.
 
 Overlapped copy (``checkpoint.overlap_copy``): a worker that calls
 ``self.ckpt_guard(optimizer)`` lets ``ckpt_snapshot`` return before its host copy is

@@ -194,6 +194,28 @@ def test_a_save_is_committed_before_retention_deletes_older_ones(group2, local_r
         m.close(60)
 
 
+def test_a_persist_starts_before_the_drivers_next_call_to_its_worker(group2, local_root):
+    """The persist must begin beside the next training step, not after it: the start is
+    queued on each worker ahead of whatever the driver sends it next."""
+    import ray
+
+    def started(self) -> bool:  # the first call the driver makes after save_checkpoint
+        pending = self._ckpt_saver.pending
+        return pending._thread.ident is not None
+
+    m = manager(local_root, {"actor": group2})
+    try:
+        for step in (1, 2):
+            m.update(step=step)
+            handle = m.save_checkpoint()
+            assert ray.get([w.__ray_call__.remote(started) for w in group2], timeout=60) == [
+                True, True]
+            handle.wait(120)
+            assert handle.done()
+    finally:
+        m.close(60)
+
+
 def test_workers_freeze_their_heap_when_checkpointing_is_set_up(group2, local_root):
     import ray
 
