@@ -177,6 +177,7 @@ def test_external_save_request_and_sigterm_emergency_save(ray_head, tmp_path):
     assert st.read_bytes(LATEST).decode().strip() == name
 
 
+@pytest.mark.long  # ~100 s; config_diff is unit-tested and resharded loads run in test_save_load
 def test_strict_resume_refuses_every_difference(ray_head, tmp_path):
     from drivers.config import parse_overrides
     from drivers.main_ppo import Trainer
