@@ -65,26 +65,6 @@ def _signature(obj: Any, prefix: str = "") -> list[tuple]:
     return [(prefix, type(obj).__name__)]
 
 
-def _restage(src: Any, buf: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """``src``'s structure over the reused buffers ``buf``, its tensor copies listed in ``copies``.
-
-    The tensor copies are not made here: each is appended to ``copies`` as a (destination,
-    source) pair, for :meth:`ShardSaver._copy` to make now or beside training.  Non-tensor
-    leaves (learning rates in optimizer param groups, step counters) change between saves
-    too, so they are copied anew now, never taken from the buffers of an earlier save.
-    """
-    if isinstance(src, dict):
-        return {k: _restage(v, buf[k], copies) for k, v in src.items()}
-    if isinstance(src, (list, tuple)):
-        return type(src)(_restage(v, b, copies) for v, b in zip(src, buf, strict=True))
-    if isinstance(src, torch.Tensor):
-        dst, source = ((buf.to_local(), src.to_local()) if isinstance(src, DTensor)
-                       else (buf, src))
-        copies.append((dst, source.detach()))
-        return buf
-    return copy.deepcopy(src)
-
-
 # immutable leaves: staged as they are (anything else is deep-copied)
 _ATOMIC = frozenset((str, int, float, bool, type(None), bytes))
 _DICT, _SEQ, _VALUES, _TENSOR, _VALUE = range(5)
@@ -105,9 +85,9 @@ def _value(src: Any) -> Any:
 class _Staging:
     """How one state structure is staged into its host buffers: built once, walked each save.
 
-    :func:`_signature` and :func:`_restage` walk the state twice per save, building a
-    tuple and a path string per leaf; at 800 tensors that was several milliseconds of
-    training's blocked time.  This keeps the structure instead, one node per container
+    Building a :func:`_signature` (a tuple and a path string per leaf) to check the
+    structure, then walking again to build the staged tree, cost several milliseconds of
+    training's blocked time at 800 tensors.  This keeps the structure instead, one node per container
     and leaf, each tensor's node with its buffer, shape, dtype and placements and the
     detached view last copied from.  :meth:`restage` is one walk: every container must
     have the same keys (or length), every tensor the same shape, dtype and placements,
@@ -119,7 +99,6 @@ class _Staging:
     """
 
     def __init__(self, state: dict[str, Any], buffers: dict[str, Any]) -> None:
-        self.buffers = buffers
         self.root = self._compile(state, buffers)
         self.bytes = tensor_bytes(buffers)
 
@@ -142,7 +121,11 @@ class _Staging:
 
     def restage(self, state: dict[str, Any],
                 copies: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any] | None:
-        """Like :func:`_restage` over :attr:`buffers`; None where the structure changed."""
+        """``state``'s structure over the buffers, its tensor copies appended to ``copies``
+        as (destination, source) pairs, for :meth:`ShardSaver._copy` to make now or beside
+        training; None where the structure changed.  Non-tensor leaves (learning rates,
+        step counters) change between saves too: they are taken anew, never from an
+        earlier save."""
         try:
             return self._restage(state, self.root, copies)
         except (_Changed, KeyError):
