@@ -209,14 +209,15 @@ class CheckpointCoordinator:
         if self._unmarked is not None:
             self._unmarked.add(name)  # until the deletion is complete
         self.storage.delete(f"{name}/{COMMITTED}")
-        if any(p.startswith(name + "/") for p in referenced):
+        keep = any(p.startswith(name + "/") for p in referenced)
+        if keep:
             for path in self.storage.list_files(name):
                 if path not in referenced:
                     self.storage.delete(path)
         else:
             self.storage.delete_tree(name)
         self._manifests.pop(name, None)
-        if self._unmarked is not None and not any(p.startswith(name + "/") for p in referenced):
+        if self._unmarked is not None and not keep:  # kept files stay without a marker
             self._unmarked.discard(name)
 
     def _manifest(self, name: str) -> Manifest | None:
@@ -385,10 +386,6 @@ class CheckpointCoordinator:
             if save is not None and save.status == "pending":
                 save.failures["driver"] = f"aborted: {reason}"
                 self._cond.notify_all()
-
-    def status(self, save_id: str) -> str:
-        with self._cond:
-            return self._saves[save_id].status
 
     def wait(self, save_id: str, timeout: float | None = None) -> dict[str, Any]:
         save = self._saves[save_id]

@@ -128,25 +128,11 @@ class SaveHandle:
         self._finished = finished
 
     def done(self) -> bool:
+        # a handle without an answer to wait for holds its result or error from the start
         if self._result is not None or self._error is not None:
             return True
-        if self._finished is not None:
-            ready, _ = ray.wait([self._finished], timeout=0)
-            return bool(ready)
-        status = _get(self._manager._coordinator.status.remote(self.save_id),
-                      self._manager.config.rpc_timeout_s)
-        return status != "pending"
-
-    def _answer(self, timeout: float | None) -> dict[str, Any]:
-        if self._finished is None:
-            rpc = self._manager.config.rpc_timeout_s
-            return _get(self._manager._coordinator.wait.remote(self.save_id, timeout),
-                        None if timeout is None else timeout + rpc)
-        try:
-            return _get(self._finished, timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"save {self.name} ({self.save_id}) not finished after "
-                               f"{timeout}s") from None
+        ready, _ = ray.wait([self._finished], timeout=0)
+        return bool(ready)
 
     def wait(self, timeout: float | None = None) -> dict[str, Any]:
         self.observed = True
@@ -154,7 +140,11 @@ class SaveHandle:
             raise self._error
         if self._result is None:
             try:
-                self._result = self._answer(timeout)
+                try:
+                    self._result = _get(self._finished, timeout)
+                except ray.exceptions.GetTimeoutError:
+                    raise TimeoutError(f"save {self.name} ({self.save_id}) not finished after "
+                                       f"{timeout}s") from None
             except (RayCheckpointError, TimeoutError) as e:
                 if isinstance(e, TimeoutError) and not isinstance(e, RayCheckpointError):
                     raise  # still running: not a failure of the save
