@@ -259,12 +259,36 @@ def record_tensor(record: memoryview, dtype: torch.dtype, sizes: tuple[int, ...]
     with CRCs, from another torch, or not what the metadata says) is read by torch's own
     reader (:func:`load_record`).  Like it, the tensor views ``record``.
     """
-    template = _template(torch.empty(sizes, dtype=dtype)) if _NO_CRC_SAVE else None
+    template = _read_template(dtype, sizes)
     if template is not None:
-        before, after = template
-        nbytes = math.prod(sizes) * dtype.itemsize
+        before, after, nbytes = template
         if (len(record) == len(before) + nbytes + len(after) and record[:len(before)] == before
                 and record[len(before) + nbytes:] == after):
             data = torch.frombuffer(record[len(before):len(before) + nbytes], dtype=torch.uint8)
             return data.view(dtype).view(sizes)
     return load_record(record)
+
+
+# (dtype, sizes) -> (bytes before the data, bytes after, data bytes) of a contiguous tensor
+_READ_TEMPLATES: dict[tuple, tuple[bytes, bytes, int] | None] = {}
+
+
+def _read_template(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[bytes, bytes, int] | None:
+    """:func:`_template` of a contiguous ``dtype`` tensor of ``sizes``, by those alone.
+
+    A load asks for one per record (hundreds a file): building a tensor to key
+    :func:`_template` cost more than comparing the record with it.
+    """
+    if not _NO_CRC_SAVE:
+        return None
+    key = (dtype, sizes)
+    try:
+        return _READ_TEMPLATES[key]
+    except KeyError:
+        pass
+    template = _template(torch.empty(sizes, dtype=dtype))
+    found = None if template is None else (*template, math.prod(sizes) * dtype.itemsize)
+    if len(_READ_TEMPLATES) >= _MAX_TEMPLATES:
+        _READ_TEMPLATES.clear()
+    _READ_TEMPLATES[key] = found
+    return found
