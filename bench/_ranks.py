@@ -398,6 +398,10 @@ class _BenchRank(CheckpointableWorker):
             self._bg.result()
             self._bg = None
 
+    def settle(self) -> None:
+        """Write back every dirty page of this machine (see ``save_latency._settle``)."""
+        os.sync()
+
     def close_stager(self) -> None:
         if self._stager is not None:
             self._stager.close()

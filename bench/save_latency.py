@@ -189,13 +189,26 @@ def _manager(storage: BenchStorage, group: list[Any]) -> CheckpointManager:
     return CheckpointManager(cfg, {"actor": group})
 
 
+def _settle(group: list[Any], storage: BenchStorage) -> None:
+    """Write back every dirty page on the ranks' machines before a timed save or load.
+
+    Without it, what one method left in the page cache (verl's ``torch.save`` never
+    fsyncs) is written back during the next method's save or load, and the limits,
+    measured first, would face an idle disk that no method's save does.
+    """
+    if storage.local:
+        ray.get([w.settle.remote() for w in group], timeout=TIMEOUT_S)
+
+
 def measure_limits(group: list[Any], storage: BenchStorage, repeat: int) -> dict[str, Any]:
     copies, writes, reads = [], [], []
     _max([w.host_copy.remote() for w in group])  # allocates and touches the buffers
     fresh = _max([w.host_copy.remote(fresh=True) for w in group])
     for i in range(repeat):
         copies.append(_max([w.host_copy.remote() for w in group]))
+        _settle(group, storage)
         writes.append(_max([w.raw_write.remote(storage.url(f"raw/{i}")) for w in group]))
+        _settle(group, storage)
         storage.drop_cache(f"raw/{i}")
         reads.append(_max([w.raw_read.remote(storage.url(f"raw/{i}")) for w in group]))
         storage.remove(f"raw/{i}")
@@ -251,6 +264,7 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
             order = methods[rnd % len(methods):] + methods[:rnd % len(methods)]
             for method in order:
                 url = storage.url(f"{method}/r{rnd}")
+                _settle(group, storage)
                 if method == "raycheckpoint":
                     manager.update(step=rnd + 1)
                     t0 = time.perf_counter()
@@ -265,6 +279,7 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
                     per_rank = ray.get([w.save.remote(method, url) for w in group], timeout=TIMEOUT_S)
                     saved = {k: max(r[k] for r in per_rank) for k in ("stall_s", "durable_s")}
                 _perturb(group)
+                _settle(group, storage)
                 storage.drop_cache(method)
                 if method == "raycheckpoint":
                     t0 = time.perf_counter()
@@ -301,16 +316,17 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
         manager.close(TIMEOUT_S)
         ray.get([w.close_stager.remote() for w in group], timeout=TIMEOUT_S)
         _kill(group, placement)
-    reshard_s: dict[str, float | None] = {m: None for m in methods}
+    reshard_s: dict[str, list[float]] = {}
     if reshard and ranks > 1:
         reshard_s = reshard_loads(ranks // 2, d, storage, methods, ray_name, last_url, full_digest,
-                                  where=where, log=log)
+                                  repeat=repeat, where=where, log=log)
     result["limits"] = limits
     result["methods"] = {}
     for m in methods:
         s = samples[m]
+        s["reshard_load_s"] = reshard_s.get(m, [])
         row = {"stall_s": _median(s["stall_s"]), "durable_s": _median(s["durable_s"]),
-               "load_s": _median(s["load_s"]), "reshard_load_s": reshard_s.get(m),
+               "load_s": _median(s["load_s"]), "reshard_load_s": _median(s["reshard_load_s"]),
                "bytes": state_bytes,
                "spread": {k: _spread(v) for k, v in s.items() if v}}
         if s["stall_worker_s"]:
@@ -391,30 +407,38 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
 
 
 def reshard_loads(ranks: int, d: int, storage: BenchStorage, methods: tuple[str, ...],
-                  ray_name: str | None, urls: dict[str, str], full_digest: str,
-                  where: Where = Where(), log=print) -> dict[str, float | None]:
+                  ray_name: str | None, urls: dict[str, str], full_digest: str, *,
+                  repeat: int = 1, where: Where = Where(),
+                  log=print) -> dict[str, list[float]]:
+    """Each method's last checkpoint loaded into ``ranks`` ranks, ``repeat`` times.
+
+    The methods take turns in rounds (the first one rotating, as for the saves); every
+    load starts from perturbed state, a settled disk and evicted files, and is checked
+    against the saved state.
+    """
     group, placement = _group(ranks, d, storage, where)
-    out: dict[str, float | None] = {}
+    out: dict[str, list[float]] = {m: [] for m in methods if RESHARDS[m]}
     manager = _manager(storage, group)
     try:
-        for method in methods:
-            if not RESHARDS[method]:
-                out[method] = None
-                continue
-            _perturb(group)
-            storage.drop_cache(method)
-            t0 = time.perf_counter()
-            if method == "raycheckpoint":
-                manager.load_checkpoint(ray_name)
-                out[method] = time.perf_counter() - t0
-            else:
-                out[method] = _max([w.load.remote(method, urls[method]) for w in group])
-            got = ray.get([w.full_digest.remote() for w in group], timeout=TIMEOUT_S)[0]
-            if got != full_digest:
-                raise RuntimeError(f"{method}: the resharded load into {ranks} ranks did not "
-                                   "restore the saved state")
-        log(f"   reshard load -> {ranks} ranks: " + ", ".join(
-            f"{m} {v:.3f} s" for m, v in out.items() if v is not None))
+        for rnd in range(repeat):
+            order = [m for m in methods[rnd % len(methods):] + methods[:rnd % len(methods)]
+                     if m in out]
+            for method in order:
+                _perturb(group)
+                _settle(group, storage)
+                storage.drop_cache(method)
+                t0 = time.perf_counter()
+                if method == "raycheckpoint":
+                    manager.load_checkpoint(ray_name)
+                    out[method].append(time.perf_counter() - t0)
+                else:
+                    out[method].append(_max([w.load.remote(method, urls[method]) for w in group]))
+                got = ray.get([w.full_digest.remote() for w in group], timeout=TIMEOUT_S)[0]
+                if got != full_digest:
+                    raise RuntimeError(f"{method}: the resharded load into {ranks} ranks did not "
+                                       "restore the saved state")
+            log(f"   reshard load -> {ranks} ranks, round {rnd + 1}: " + ", ".join(
+                f"{m} {v[-1]:.3f} s" for m, v in out.items()))
     finally:
         manager.close(TIMEOUT_S)
         _kill(group, placement)

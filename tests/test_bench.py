@@ -43,6 +43,7 @@ def test_save_latency_bench_runs_every_method_and_writes_results(ray_session, tm
             assert row["reshard_load_s"] is None and "reshard_note" in row
         else:
             assert row["reshard_load_s"] > 0, name
+            assert row["spread"]["reshard_load_s"][0] <= row["reshard_load_s"], name
     assert all(saved["limits"][k] > 0 for k in ("host_copy_s", "raw_write_fsync_s", "raw_read_s"))
     assert saved["step_overhead"]["steps_during_persist"] >= 1
     assert saved["step_overhead"]["overlap_stall_s"] > 0  # overlap_copy measured too
