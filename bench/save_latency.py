@@ -50,6 +50,7 @@ from raycheckpoint import CheckpointConfig, CheckpointManager
 from workers.group import Placement, create_worker_group, place_ranks
 
 TIMEOUT_S = 3600.0
+SETTLE_IDLE_S = 0.5
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30}
 
@@ -194,10 +195,13 @@ def _settle(group: list[Any], storage: BenchStorage) -> None:
 
     Without it, what one method left in the page cache (verl's ``torch.save`` never
     fsyncs) is written back during the next method's save or load, and the limits,
-    measured first, would face an idle disk that no method's save does.
+    measured first, would face an idle disk that no method's save does.  Then the
+    machine is left idle for a moment: right after the sync, a save's stall here was
+    ~30 ms longer and a write + fsync of 2 x 60 MB 3x slower than half a second later.
     """
     if storage.local:
         ray.get([w.settle.remote() for w in group], timeout=TIMEOUT_S)
+        time.sleep(SETTLE_IDLE_S)
 
 
 def measure_limits(group: list[Any], storage: BenchStorage, repeat: int) -> dict[str, Any]:
