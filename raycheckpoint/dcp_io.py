@@ -1,8 +1,9 @@
 """torch DCP StorageWriter / StorageReader over :class:`~raycheckpoint.storage.Storage`.
 
-The files are torch's own DCP format (``__<rank>_0.distcp`` holding ``torch.save``d
-items at recorded offsets, plus a pickled ``.metadata``), so an unencrypted role
-directory also opens with ``torch.distributed.checkpoint.FileSystemReader``.
+The files are torch's own DCP format (``__<rank>_0.distcp``, and for a rank's small items
+``__<rank>_1.distcp``, holding ``torch.save``d items at recorded offsets, plus a pickled
+``.metadata``), so an unencrypted role directory also opens with
+``torch.distributed.checkpoint.FileSystemReader``.
 
 What this layer adds:
 
@@ -71,10 +72,15 @@ from raycheckpoint.storage import FileEntry, Storage
 DCP_SUFFIX = ".distcp"
 # what a rank's parallel reads may hold in memory at once where files are not mapped
 PARALLEL_READ_BYTES = 4 << 30
+# a rank whose items reach SPLIT_AT_BYTES writes its items under SMALL_ITEM_BYTES (and its
+# non-tensor items) to a file of their own (HashingStorageWriter.write_data)
+SPLIT_AT_BYTES = 16 << 20
+SMALL_ITEM_BYTES = 64 << 10
 
 
 class HashingStorageWriter(StorageWriter):
-    """Writes one DCP file per rank under ``dcp_dir``, hashing while it streams."""
+    """Writes a rank's DCP files under ``dcp_dir`` (one, or two for large and small
+    items), hashing while it streams."""
 
     def __init__(self, storage: Storage, dcp_dir: str) -> None:
         super().__init__()
@@ -99,13 +105,41 @@ class HashingStorageWriter(StorageWriter):
         return [replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        file_name = f"{plan.storage_data.prefix}0{DCP_SUFFIX}"
-        rel = f"{self.dcp_dir}/{file_name}"
-        # bytes first, then tensors largest first: the same order torch's writer uses
-        items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
+        """Write this rank's items to ``__<rank>_0.distcp``; a rank holding
+        :data:`SPLIT_AT_BYTES` or more writes its small items (non-tensor ones, and
+        tensors under :data:`SMALL_ITEM_BYTES`) to ``__<rank>_1.distcp`` instead.
 
+        DCP stores an item every rank holds (FSDP2's per-parameter optimizer ``step``, the
+        param groups) once, spread over the ranks, so a rank loading into the same world
+        size needs a few such items from every other rank's files.  A file's checksum
+        covers the whole file, so the reader of a few items hashes all of it: kept apart,
+        those items cost a reader a file of kilobytes instead of another rank's shard.
+        """
         # a planner that keeps each record's pieces between saves (dcp_save.ReusingSavePlanner)
         pieces_of = getattr(planner, "record_pieces", None)
+        sizes = [item.tensor_storage_size() if item.type != WriteItemType.BYTE_IO else None
+                 for item in plan.items]
+        large = [i for i, size in zip(plan.items, sizes, strict=True)
+                 if size is not None and size >= SMALL_ITEM_BYTES]
+        small = [i for i, size in zip(plan.items, sizes, strict=True)
+                 if size is None or size < SMALL_ITEM_BYTES]
+        if not large or sum(size or 0 for size in sizes) < SPLIT_AT_BYTES:
+            large, small = list(plan.items), []
+        results: list[WriteResult] = []
+        for k, items in ((0, large), (1, small)):
+            if items:
+                results += self._write_file(f"{plan.storage_data.prefix}{k}{DCP_SUFFIX}",
+                                            items, planner, pieces_of)
+        self.results = results
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_file(self, file_name: str, items: list, planner: SavePlanner,
+                    pieces_of: Any) -> list[WriteResult]:
+        rel = f"{self.dcp_dir}/{file_name}"
+        # bytes first, then tensors: the same order torch's writer uses
+        items = sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)
 
         def write_file() -> tuple[list[WriteResult], FileEntry]:
             results: list[WriteResult] = []
@@ -142,10 +176,7 @@ class HashingStorageWriter(StorageWriter):
         # written again from the start
         results, entry = self.storage.retrying(f"write {rel}", write_file)
         self.written.append(entry)
-        self.results = results
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_md = {}

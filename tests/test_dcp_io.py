@@ -270,6 +270,53 @@ def test_a_rank_reading_several_files_reads_them_at_once(storage, parallel_files
                        "optim": {"step": torch.tensor(0.0)}}, reader)
 
 
+def test_a_large_rank_keeps_its_small_items_in_a_file_of_their_own(storage, monkeypatch):
+    """A rank of SPLIT_AT_BYTES or more writes its small items (here the bias, the step,
+    the lr and betas) beside its large ones, in ``__<rank>_1.distcp``: a reader needing only
+    those (a rank loading another's replicated items) opens and hashes that file alone.
+    torch's own reader reads the pair, and a flip in the small file fails a load of it."""
+    import raycheckpoint.dcp_io as dcp_io
+
+    monkeypatch.setattr(dcp_io, "SPLIT_AT_BYTES", 4096)
+    monkeypatch.setattr(dcp_io, "SMALL_ITEM_BYTES", 4096)  # w: 8 KB; b: 128 B
+    expected = _save(storage)
+    d = "step_00000001/actor"
+    assert set(expected) == {f"{d}/__0_0.distcp", f"{d}/__0_1.distcp", f"{d}/.metadata"}
+    assert expected[f"{d}/__0_1.distcp"].size < expected[f"{d}/__0_0.distcp"].size
+    src = _state()
+
+    def target():
+        return {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},
+                "optim": {"step": torch.tensor(0.0), "lr": 0.0, "betas": [0.0, 0.0]}}
+
+    full = target()
+    load_verified(full, VerifyingStorageReader(storage, d, expected))
+    assert torch.equal(full["model"]["w"], src["model"]["w"])
+    assert torch.equal(full["model"]["b"], src["model"]["b"])
+    assert full["optim"]["lr"] == 0.01 and torch.equal(full["optim"]["step"], src["optim"]["step"])
+    if storage.is_posix:
+        theirs = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}}
+        dcp.load(theirs, storage_reader=FileSystemReader(storage.full_path(d)), no_dist=True)
+        assert torch.equal(theirs["model"]["w"], src["model"]["w"])
+        assert torch.equal(theirs["model"]["b"], src["model"]["b"])
+
+    small = {k: v for k, v in target().items() if k == "optim"}
+    small["model"] = {"b": torch.zeros(32)}
+    reader = _RecordingReader(storage, d, expected)
+    reader.threads = {}
+    load_verified(small, reader)
+    assert set(reader.threads) == {"__0_1.distcp"}
+    assert torch.equal(small["model"]["b"], src["model"]["b"]) and small["optim"]["lr"] == 0.01
+
+    path = f"{d}/__0_1.distcp"
+    bad = bytearray(storage.read_bytes(path))
+    bad[len(bad) // 2] ^= 0x01
+    storage.write_bytes(path, bytes(bad))
+    small = {k: v for k, v in target().items() if k == "optim"}
+    with pytest.raises(IntegrityError, match=re.escape(path)):
+        load_verified(small, VerifyingStorageReader(storage, d, expected))
+
+
 def test_files_read_into_memory_in_parallel_stay_within_the_budget(storage, monkeypatch):
     """Mapped files cost no memory to read at once; files read into memory (object stores,
     encryption) do, and are read one at a time once two would pass PARALLEL_READ_BYTES."""
