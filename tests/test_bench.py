@@ -186,3 +186,17 @@ def test_release_ab_times_the_tree_it_imports(ray_session, tmp_path):
                 "--storage", str(tmp_path / "store")])
     assert out["durable_s"] > 0 and out["load_s"] > 0
     assert 0 < out["worker_stall_s"] <= out["stall_s"] < out["durable_s"]
+
+
+def test_the_projection_never_calibrates_a_method_below_the_machines_limit():
+    """A ratio under 1 (a limit measured slow that time) counts as 1; others stay measured."""
+    from bench.projection import calibration
+
+    results = {"config": {"ranks": 2},
+               "limits": {"host_copy_s": 0.2, "raw_write_fsync_s": 3.0},
+               "methods": {"raycheckpoint": {"stall_s": 0.16, "durable_s": 3.6},
+                           "verl_sync": {"durable_s": 2.4}, "rank0_gather": {"durable_s": 9.0}}}
+    got = calibration(results, {"virtual_ranks": {"256": {"commit_overhead_s": 0.02}}})
+    assert got == {"stall_over_host_copy": 1.0, "durable_over_raw_write": pytest.approx(1.2),
+                   "verl_over_raw_write": 1.0, "rank0_over_raw_write": pytest.approx(1.5),
+                   "commit_overhead_256_s": 0.02}
