@@ -269,26 +269,21 @@ def record_tensor(record: memoryview, dtype: torch.dtype, sizes: tuple[int, ...]
     return load_record(record)
 
 
-# (dtype, sizes) -> (bytes before the data, bytes after, data bytes) of a contiguous tensor
-_READ_TEMPLATES: dict[tuple, tuple[bytes, bytes, int] | None] = {}
-
-
 def _read_template(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[bytes, bytes, int] | None:
-    """:func:`_template` of a contiguous ``dtype`` tensor of ``sizes``, by those alone.
+    """:func:`_template` of a contiguous ``dtype`` tensor of ``sizes``, and its data bytes.
 
-    A load asks for one per record (hundreds a file): building a tensor to key
-    :func:`_template` cost more than comparing the record with it.
+    A load asks for one per record (hundreds a file): its layout key is built from the
+    sizes, since building a tensor to key :func:`_template` cost more than comparing the
+    record with the template.
     """
     if not _NO_CRC_SAVE:
         return None
-    key = (dtype, sizes)
-    try:
-        return _READ_TEMPLATES[key]
-    except KeyError:
-        pass
-    template = _template(torch.empty(sizes, dtype=dtype))
-    found = None if template is None else (*template, math.prod(sizes) * dtype.itemsize)
-    if len(_READ_TEMPLATES) >= _MAX_TEMPLATES:
-        _READ_TEMPLATES.clear()
-    _READ_TEMPLATES[key] = found
-    return found
+    nbytes = math.prod(sizes) * dtype.itemsize
+    strides, step = [], 1
+    for n in reversed(sizes):
+        strides.append(step)
+        step *= n
+    key = (dtype, sizes, tuple(reversed(strides)), nbytes)  # as _template keys it
+    template = (_TEMPLATES[key] if key in _TEMPLATES
+                else _template(torch.empty(sizes, dtype=dtype)))
+    return None if template is None else (*template, nbytes)
