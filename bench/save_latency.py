@@ -190,6 +190,12 @@ def _manager(storage: BenchStorage, group: list[Any]) -> CheckpointManager:
     return CheckpointManager(cfg, {"actor": group})
 
 
+def _rotated(methods: tuple[str, ...], rnd: int) -> tuple[str, ...]:
+    """The methods in round ``rnd``'s order: each round starts one method later."""
+    k = rnd % len(methods)
+    return methods[k:] + methods[:k]
+
+
 def _settle(group: list[Any], storage: BenchStorage) -> None:
     """Write back every dirty page on the ranks' machines before a timed save or load.
 
@@ -265,8 +271,7 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
         last_url: dict[str, str] = {}  # method -> its newest checkpoint (the reshard source)
         ray_name = None
         for rnd in range(repeat + 1):  # round 0 warms up and is not counted
-            order = methods[rnd % len(methods):] + methods[:rnd % len(methods)]
-            for method in order:
+            for method in _rotated(methods, rnd):
                 url = storage.url(f"{method}/r{rnd}")
                 _settle(group, storage)
                 if method == "raycheckpoint":
@@ -425,9 +430,7 @@ def reshard_loads(ranks: int, d: int, storage: BenchStorage, methods: tuple[str,
     manager = _manager(storage, group)
     try:
         for rnd in range(repeat):
-            order = [m for m in methods[rnd % len(methods):] + methods[:rnd % len(methods)]
-                     if m in out]
-            for method in order:
+            for method in (m for m in _rotated(methods, rnd) if m in out):
                 _perturb(group)
                 _settle(group, storage)
                 storage.drop_cache(method)
