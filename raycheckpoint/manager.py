@@ -140,14 +140,11 @@ class SaveHandle:
             raise self._error
         if self._result is None:
             try:
-                try:
-                    self._result = _get(self._finished, timeout)
-                except ray.exceptions.GetTimeoutError:
-                    raise TimeoutError(f"save {self.name} ({self.save_id}) not finished after "
-                                       f"{timeout}s") from None
-            except (RayCheckpointError, TimeoutError) as e:
-                if isinstance(e, TimeoutError) and not isinstance(e, RayCheckpointError):
-                    raise  # still running: not a failure of the save
+                self._result = _get(self._finished, timeout)
+            except ray.exceptions.GetTimeoutError:  # still running: not a failure of the save
+                raise TimeoutError(f"save {self.name} ({self.save_id}) not finished after "
+                                   f"{timeout}s") from None
+            except RayCheckpointError as e:
                 self._error = e
                 self._manager._record(self, None, e)
                 raise
