@@ -117,13 +117,12 @@ class HashingStorageWriter(StorageWriter):
         """
         # a planner that keeps each record's pieces between saves (dcp_save.ReusingSavePlanner)
         pieces_of = getattr(planner, "record_pieces", None)
-        sizes = [item.tensor_storage_size() if item.type != WriteItemType.BYTE_IO else None
-                 for item in plan.items]
-        large = [i for i, size in zip(plan.items, sizes, strict=True)
-                 if size is not None and size >= SMALL_ITEM_BYTES]
-        small = [i for i, size in zip(plan.items, sizes, strict=True)
-                 if size is None or size < SMALL_ITEM_BYTES]
-        if not large or sum(size or 0 for size in sizes) < SPLIT_AT_BYTES:
+        large, small, total = [], [], 0
+        for item in plan.items:
+            size = item.tensor_storage_size() if item.type != WriteItemType.BYTE_IO else None
+            (small if size is None or size < SMALL_ITEM_BYTES else large).append(item)
+            total += size or 0
+        if not large or total < SPLIT_AT_BYTES:
             large, small = list(plan.items), []
         results: list[WriteResult] = []
         for k, items in ((0, large), (1, small)):
