@@ -217,7 +217,8 @@ class CheckpointableWorker:
         saver.wait_previous(request.get("wait_timeout_s", 1800.0))
         expected = {p: FileEntry.from_dict(e) for p, e in request["files"].items()}
         kind = request["kind"]
-        template = self.ckpt_state_dict(kind)
+        with torch.no_grad():  # as at a snapshot: the template's DTensors resolve cheaply
+            template = self.ckpt_state_dict(kind)
         if f"{request['dcp_dir']}/{DCP_METADATA}" in expected:
             reader = VerifyingStorageReader(saver.storage, request["dcp_dir"], expected,
                                             checksums=request["checksums"])
