@@ -37,7 +37,7 @@ import os
 import pickle
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -319,6 +319,42 @@ class VerifyingStorageReader(StorageReader):
                     # the mapping closes when that goes
                     pass
 
+    def prefetch(self, saved_ranks: Iterable[int]) -> threading.Thread | None:
+        """Start reading the data files ``saved_ranks`` wrote into the page cache (local disk).
+
+        DCP plans a load before it reads anything: verifying and unpickling ``.metadata``
+        and matching every item against the saved chunks take 50-100 ms at 788 items a
+        rank, with the disk idle.  Asked for at once, the kernel reads the files meanwhile
+        (``POSIX_FADV_WILLNEED``, in a thread of its own: it can block while it queues the
+        reads).  Only a hint: the load reads and verifies every byte as before, a file
+        not prefetched is read when the plan reaches it, and one prefetched in vain costs
+        disk time and page cache, nothing else.
+        """
+        if not self.storage.is_posix or not hasattr(os, "posix_fadvise"):
+            return None
+        prefixes = tuple(f"{self.dcp_dir}/__{r}_" for r in saved_ranks)
+        paths = [self.storage.full_path(rel) for rel in sorted(self.expected)
+                 if rel.startswith(prefixes) and rel.endswith(DCP_SUFFIX)]
+        if not paths:
+            return None
+
+        def advise() -> None:
+            for path in paths:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError:
+                    continue  # the load itself names a missing file
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
+
+        thread = threading.Thread(target=advise, name="raycheckpoint-load-prefetch", daemon=True)
+        thread.start()
+        return thread
+
     def reset(self, checkpoint_id=None) -> None:
         self.storage_data = {}
 
@@ -395,6 +431,20 @@ class VerifyingStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return False
+
+
+def overlapping_ranks(rank: int, world_size: int, saved_world_size: int) -> range:
+    """The saved ranks whose share of an evenly split dimension overlaps ``rank``'s.
+
+    That is FSDP's layout (each parameter split on dim 0): the saved ranks whose files a
+    load into ``world_size`` ranks reads most of; their own rank alone when the world
+    size is unchanged.
+    """
+    if world_size <= 0 or saved_world_size <= 0:
+        return range(0)
+    lo = rank * saved_world_size // world_size
+    hi = -(-(rank + 1) * saved_world_size // world_size)
+    return range(lo, min(hi, saved_world_size))
 
 
 def load_verified(state: dict[str, Any], reader: VerifyingStorageReader) -> None:

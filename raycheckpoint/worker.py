@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from raycheckpoint.dcp_io import VerifyingStorageReader, load_verified
+from raycheckpoint.dcp_io import VerifyingStorageReader, load_verified, overlapping_ranks
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.format import DCP_METADATA, unpack
 from raycheckpoint.integrity import verify_bytes
@@ -222,6 +222,8 @@ class CheckpointableWorker:
         if f"{request['dcp_dir']}/{DCP_METADATA}" in expected:
             reader = VerifyingStorageReader(saver.storage, request["dcp_dir"], expected,
                                             checksums=request["checksums"])
+            reader.prefetch(overlapping_ranks(self.ckpt_rank, self.ckpt_world_size,
+                                              request["saved_world_size"]))
             load_verified(template, reader)
             self.ckpt_load_state_dict(template, kind)
         elif template:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import re
 import threading
@@ -14,7 +15,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from raycheckpoint import IntegrityError
-from raycheckpoint.dcp_io import HashingStorageWriter, VerifyingStorageReader, load_verified
+from raycheckpoint.dcp_io import (
+    HashingStorageWriter,
+    VerifyingStorageReader,
+    load_verified,
+    overlapping_ranks,
+)
 from raycheckpoint.records import load_record, save_record
 from raycheckpoint.storage import Storage
 
@@ -268,6 +274,42 @@ def test_a_rank_reading_several_files_reads_them_at_once(storage, parallel_files
     with pytest.raises(IntegrityError, match=re.escape(path)):
         load_verified({"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},
                        "optim": {"step": torch.tensor(0.0)}}, reader)
+
+
+@pytest.mark.parametrize(("rank", "world_size", "saved", "expected"), [
+    (0, 2, 2, [0]), (1, 2, 2, [1]),                                 # same size: its own file
+    (0, 1, 2, [0, 1]), (0, 3, 4, [0, 1]), (1, 3, 4, [1, 2]), (2, 3, 4, [2, 3]),
+    (0, 4, 2, [0]), (3, 4, 2, [1]), (1, 2, 4, [2, 3]), (0, 2, 3, [0, 1]), (1, 2, 3, [1, 2]),
+])
+def test_overlapping_ranks_are_those_an_even_split_shares(rank, world_size, saved, expected):
+    assert list(overlapping_ranks(rank, world_size, saved)) == expected
+
+
+def test_prefetch_asks_the_kernel_for_the_named_ranks_files_only(storage, monkeypatch):
+    """The prefetch is a hint: it names the files of the ranks asked for (local disk; an
+    object store is not asked), and the load that follows reads and checks as before."""
+    advised: list[str] = []
+    real = getattr(os, "posix_fadvise", None)
+
+    def fadvise(fd, offset, length, advice):
+        advised.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise, raising=False)
+    expected, source = _two_file_checkpoint(storage, "multi")
+    reader = VerifyingStorageReader(storage, "multi", expected)
+    thread = reader.prefetch([1])
+    if not storage.is_posix or real is None:
+        assert thread is None and not advised
+    else:
+        thread.join(10)
+        assert advised == [os.path.realpath(storage.full_path("multi/__1_0.distcp"))]
+        assert reader.prefetch([5]) is None  # a rank that wrote nothing here
+    target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},
+              "optim": {"step": torch.tensor(0.0)}}
+    load_verified(target, reader)
+    assert torch.equal(target["model"]["w"], source["model"]["w"])
+    assert torch.equal(target["model"]["b"], source["model"]["b"])
 
 
 def test_a_large_rank_keeps_its_small_items_in_a_file_of_their_own(storage, monkeypatch):
