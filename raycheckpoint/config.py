@@ -78,8 +78,9 @@ class CheckpointConfig:
     lease_takeover: bool = False
     lease_wait_s: float | None = None  # default: lease_ttl_s + 5 (a crashed holder goes stale)
 
-    # background persist: the nice value of each worker's persist thread (0 keeps the
-    # worker's own); training threads win the CPU when a host is short of cores
+    # background persist: how many nice levels below its worker each persist thread runs
+    # (0: level with training; at most 19, and Ray starts workers at 15), so training
+    # threads win the CPU when a host is short of cores
     persist_nice: int = 10
     # overlap the host copy with the next step's forward/backward: workers that guard
     # their optimizer (CheckpointableWorker.ckpt_guard) answer the snapshot before the

@@ -141,7 +141,10 @@ def test_sampler_resumes_mid_epoch():
 
 
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread nice values here")
-def test_persist_priority_is_lowered_for_the_persist_thread_only():
+@pytest.mark.parametrize(("start", "lower", "expected"), [(0, 10, 10), (15, 10, 19), (5, 3, 8),
+                                                          (15, 0, 15)])
+def test_persist_priority_is_lowered_for_the_persist_thread_only(start, lower, expected):
+    """Relative to the thread's own nice value: a Ray worker's threads start at 15."""
     import threading
 
     from raycheckpoint.snapshot import _lower_priority
@@ -149,12 +152,17 @@ def test_persist_priority_is_lowered_for_the_persist_thread_only():
     seen = {}
 
     def persist_like():
-        _lower_priority(10)
-        seen["thread"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(start, os.getpriority(os.PRIO_PROCESS, tid)))
+        begun = os.getpriority(os.PRIO_PROCESS, tid)
+        _lower_priority(lower)
+        seen["thread"] = os.getpriority(os.PRIO_PROCESS, tid) - begun
 
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     t = threading.Thread(target=persist_like)
     t.start()
     t.join(10)
-    assert seen["thread"] == max(10, before)
+    assert seen["thread"] == min(19, max(start, before) + lower) - max(start, before)
+    if before <= start:
+        assert seen["thread"] == expected - start
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
