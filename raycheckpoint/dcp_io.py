@@ -76,6 +76,10 @@ PARALLEL_READ_BYTES = 4 << 30
 # non-tensor items) to a file of their own (HashingStorageWriter.write_data)
 SPLIT_AT_BYTES = 16 << 20
 SMALL_ITEM_BYTES = 64 << 10
+# how much of each data file a load asks the kernel to read ahead while DCP plans
+# (VerifyingStorageReader.prefetch): the planning lasts ~0.1 s, and the load's own reads
+# take over from there; a bound keeps a huge shard from crowding the page cache
+PREFETCH_BYTES = 256 << 20
 
 
 class HashingStorageWriter(StorageWriter):
@@ -325,10 +329,11 @@ class VerifyingStorageReader(StorageReader):
         DCP plans a load before it reads anything: verifying and unpickling ``.metadata``
         and matching every item against the saved chunks take 50-100 ms at 788 items a
         rank, with the disk idle.  Asked for at once, the kernel reads the files meanwhile
-        (``POSIX_FADV_WILLNEED``, in a thread of its own: it can block while it queues the
-        reads).  Only a hint: the load reads and verifies every byte as before, a file
-        not prefetched is read when the plan reaches it, and one prefetched in vain costs
-        disk time and page cache, nothing else.
+        (``POSIX_FADV_WILLNEED`` on each file's first :data:`PREFETCH_BYTES`, in a thread
+        of its own: it can block while it queues the reads).  Only a hint: the load reads
+        and verifies every byte as before, a file not prefetched is read when the plan
+        reaches it, and one prefetched in vain costs disk time and page cache, nothing
+        else.
         """
         if not self.storage.is_posix or not hasattr(os, "posix_fadvise"):
             return None
@@ -345,7 +350,7 @@ class VerifyingStorageReader(StorageReader):
                 except OSError:
                     continue  # the load itself names a missing file
                 try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                    os.posix_fadvise(fd, 0, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
                 except OSError:
                     pass
                 finally:

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from raycheckpoint import IntegrityError
 from raycheckpoint.dcp_io import (
+    PREFETCH_BYTES,
     HashingStorageWriter,
     VerifyingStorageReader,
     load_verified,
@@ -292,6 +293,7 @@ def test_prefetch_asks_the_kernel_for_the_named_ranks_files_only(storage, monkey
     real = getattr(os, "posix_fadvise", None)
 
     def fadvise(fd, offset, length, advice):
+        assert (offset, length, advice) == (0, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
         advised.append(os.readlink(f"/proc/self/fd/{fd}"))
         return real(fd, offset, length, advice)
 
