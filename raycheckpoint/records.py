@@ -125,6 +125,11 @@ _TEMPLATES: dict[tuple, tuple[bytes, bytes] | None] = {}
 _MAX_TEMPLATES = 4096
 
 
+def _layout_key(dtype: torch.dtype, sizes: tuple, strides: tuple, nbytes: int) -> tuple:
+    """What :data:`_TEMPLATES` is keyed by: a record's bytes around its data depend on this."""
+    return (dtype, tuple(sizes), tuple(strides), nbytes)
+
+
 def _template(t: torch.Tensor) -> tuple[bytes, bytes] | None:
     """The bytes torch writes before and after the data of a record of ``t``'s layout.
 
@@ -137,7 +142,7 @@ def _template(t: torch.Tensor) -> tuple[bytes, bytes] | None:
             or not t.is_contiguous() or t.numel() == 0
             or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
         return None
-    key = (t.dtype, tuple(t.shape), tuple(t.stride()), t.untyped_storage().nbytes())
+    key = _layout_key(t.dtype, t.shape, t.stride(), t.untyped_storage().nbytes())
     if key in _TEMPLATES:
         return _TEMPLATES[key]
     other = t.clone()
@@ -283,7 +288,7 @@ def _read_template(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[bytes, b
     for n in reversed(sizes):
         strides.append(step)
         step *= n
-    key = (dtype, sizes, tuple(reversed(strides)), nbytes)  # as _template keys it
+    key = _layout_key(dtype, sizes, reversed(strides), nbytes)
     template = (_TEMPLATES[key] if key in _TEMPLATES
                 else _template(torch.empty(sizes, dtype=dtype)))
     return None if template is None else (*template, nbytes)
