@@ -3,12 +3,14 @@
 The manager starts the job's :class:`~raycheckpoint.coordinator.CheckpointCoordinator`
 actor, sets up the workers' savers, and drives the protocol:
 
-* ``save_checkpoint(tag=None, kind="full")`` asks the coordinator to ``begin``, calls
-  ``ckpt_snapshot`` on every worker in parallel (returns after their host copy), then
-  ``ckpt_start_persist`` and the coordinator's ``await_save`` without waiting, and
-  returns a :class:`SaveHandle` on that call's answer at once; persisting and committing
-  go on in the background.  ``handle.wait(timeout)``
-  returns the commit result or raises the error.
+* ``save_checkpoint(tag=None, kind="full")`` asks the coordinator to ``begin`` and, in
+  the same moment, each trainable role's workers to snapshot (``ckpt_snapshot_begun``:
+  they copy while ``begin`` runs and read its answer after); a frozen role's workers
+  snapshot once ``begin`` has said whether their weights are reused.  Once every worker
+  has answered (after its host copy), it sends ``ckpt_start_persist`` and the
+  coordinator's ``await_save`` without waiting, and returns a :class:`SaveHandle` on that
+  call's answer at once; persisting and committing go on in the background.
+  ``handle.wait(timeout)`` returns the commit result or raises the error.
 * ``load_checkpoint(ref, strict=True)`` resolves, verifies and loads a checkpoint into
   every worker (resharding when the world size changed), then restores the driver's
   RNG and data loader.  ``"auto"`` skips checkpoints that fail verification.
@@ -29,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import RayTaskError
 
 from raycheckpoint import catalog
+from raycheckpoint._internal.rpc import get as _get
 from raycheckpoint.config import CheckpointConfig
 from raycheckpoint.coordinator import CheckpointCoordinator
 from raycheckpoint.crypto import FileCipher, check_key, load_key
@@ -59,20 +61,6 @@ from raycheckpoint.state import capture_rng, restore_rng
 from raycheckpoint.storage import Storage, StorageSpec
 
 logger = logging.getLogger(__name__)
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    """The original exception a Ray task or actor raised."""
-    while isinstance(e, RayTaskError) and e.cause is not None:
-        e = e.cause
-    return e
-
-
-def _get(refs: Any, timeout: float) -> Any:
-    try:
-        return ray.get(refs, timeout=timeout)
-    except RayTaskError as e:
-        raise _unwrap(e) from None
 
 
 @dataclass
@@ -321,27 +309,39 @@ class CheckpointManager:
                 trainer_state["dataloader"] = self.dataloader.state_dict()
         expected = [(role, rank) for role, ws in self.groups.items() for rank in range(len(ws))]
         rpc = self.config.rpc_timeout_s
+        wait_s = self.config.save_wait_timeout_s
+        begin_ref = self._coordinator.begin.remote(
+            step=step, kind=kind, tag=tag, metrics=metrics, trainer_state=trainer_state,
+            expected=expected, world_sizes=self.world_sizes, frozen=self._identities)
+        # a trainable role is never reused: its workers copy while `begin` runs, and read its
+        # answer (the reference, in a list, is not resolved before the call) once copied
+        early = [w for role, ws in self.groups.items() if role not in self.frozen_roles
+                 for w in ws]
+        snap_refs = [w.ckpt_snapshot_begun.remote([begin_ref], kind, wait_s,
+                                                  self.config.overlap_copy, wait_s + rpc)
+                     for w in early]
         try:
-            begun = _get(self._coordinator.begin.remote(
-                step=step, kind=kind, tag=tag, metrics=metrics, trainer_state=trainer_state,
-                expected=expected, world_sizes=self.world_sizes, frozen=self._identities),
-                self.config.save_wait_timeout_s + rpc)
-        except (FileNotFoundError, PermissionError):
+            begun = _get(begin_ref, wait_s + rpc)
+        except Exception as e:
+            self._settle(snap_refs, wait_s + rpc)  # each drops its copy: nothing was named
+            if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, PermissionError)):
+                # storage failed (after its retries) before any worker wrote
+                return self._failed_before_start(step, kind, time.perf_counter() - t0, e)
             raise  # the root is gone or not ours to write: not a failure of this one save
-        except OSError as e:  # storage failed (after its retries) before any worker wrote
-            return self._failed_before_start(step, kind, time.perf_counter() - t0, e)
         if "existing" in begun:
+            self._settle(snap_refs, wait_s + rpc)
             e = begun["existing"]
             return SaveHandle(self, save_id=None, name=e["name"], step=e["step"], kind=e["kind"],
                               stall_s=time.perf_counter() - t0, worker_stall_s=0.0,
                               existing={**e, "existing": True})
         save_id, name = begun["save_id"], begun["name"]
-        writers = [w for role, ws in self.groups.items() if role not in begun["reused"] for w in ws]
+        late = [w for role in self.frozen_roles if role not in begun["reused"]
+                for w in self.groups[role]]
+        snap_refs += [w.ckpt_snapshot_begun.remote(begun, kind, wait_s, self.config.overlap_copy)
+                      for w in late]
+        writers = early + late
         try:  # the workers report to the coordinator they were set up with
-            snaps = _get([w.ckpt_snapshot.remote(save_id, name, kind, None,
-                                                 self.config.save_wait_timeout_s, True,
-                                                 self.config.overlap_copy)
-                          for w in writers], self.config.save_wait_timeout_s + rpc)
+            snaps = _get(snap_refs, wait_s + rpc)
         except BaseException as e:
             self._coordinator.abort.remote(save_id, f"snapshot failed: {type(e).__name__}: {e}")
             raise CheckpointSaveError(f"snapshot for {name} failed: {type(e).__name__}: {e}",
@@ -359,6 +359,14 @@ class CheckpointManager:
                             finished=finished)
         self._handles.append(handle)
         return handle
+
+    @staticmethod
+    def _settle(refs: list[Any], timeout: float) -> None:
+        """Wait for snapshots that will not be persisted (their errors are the save's own)."""
+        try:
+            ray.get(refs, timeout=timeout)
+        except Exception:  # the caller raises or records the save's failure
+            logger.debug("a dropped snapshot failed", exc_info=True)
 
     def _failed_before_start(self, step: int, kind: str, stall_s: float,
                              cause: BaseException) -> SaveHandle:

@@ -30,6 +30,7 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -364,13 +365,20 @@ class ShardSaver:
                  extra: dict[str, Any] | None, coordinator: Any,
                  wait_timeout_s: float = 1800.0,
                  assets: dict[str, bytes] | None = None, start: bool = True,
-                 overlap: bool = False) -> dict[str, Any]:
+                 overlap: bool = False,
+                 named: Callable[[], tuple[str, str] | None] | None = None) -> dict[str, Any]:
         """Stage ``state`` and set up its persist; ``start=False`` defers the persist's start.
 
         Deferring lets the caller answer its RPC before the persist thread (DCP planning is
         Python, holding the GIL in turns) competes with it: ``start_persist`` then starts it.
         With ``overlap`` the tensors are copied by a thread started here, and the caller
         must call :meth:`wait_copied` before anything changes them (the optimizer step).
+
+        ``named``: the save is not named yet (``save_id`` and ``step_dir`` are ignored).
+        It is called once the copy is made (with ``overlap``, once it has started) and
+        returns ``(save_id, step_dir)``, or None when this rank is not to write this save:
+        nothing is persisted then and the answer has ``"dropped": True``.  If it raises,
+        the error is raised once the copy is over.
         """
         t0 = time.perf_counter()
         self.wait_previous(wait_timeout_s)
@@ -384,6 +392,16 @@ class ShardSaver:
             staged = self._stage(kind, state)
             pending.copy_s = time.perf_counter() - t_copy
             pending.copied.set()
+        if named is not None:
+            try:
+                got = named()
+            except BaseException:
+                pending.copied.wait()  # the buffers are the next snapshot's: let the copy end
+                raise
+            if got is None:
+                pending.copied.wait()
+                return {"stall_s": time.perf_counter() - t0, "bytes": 0, "dropped": True}
+            pending.save_id, step_dir = got
         stall_s = time.perf_counter() - t0
         self.pending = pending
         thread = threading.Thread(

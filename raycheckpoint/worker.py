@@ -18,9 +18,11 @@ implements four hooks:
 
 The driver-side :class:`~raycheckpoint.manager.CheckpointManager` calls the
 ``ckpt_*`` remote methods below; a worker never decides what is committed.
-Call order: ``ckpt_setup`` once, then per save ``ckpt_snapshot`` (returns after the
-host copy) and ``ckpt_start_persist`` (sent once every rank has answered, so no rank's
-answer waits behind its persist thread), and per resume ``ckpt_load``.
+Call order: ``ckpt_setup`` once, then per save ``ckpt_snapshot_begun`` (returns after
+the host copy; a trainable role's copy runs while the coordinator's ``begin`` does) and
+``ckpt_start_persist`` (sent once every rank has answered, so no rank's answer waits
+behind its persist thread), and per resume ``ckpt_load``.  ``ckpt_snapshot`` stages for
+a save already named, for callers driving the protocol themselves.
 
 Overlapped copy (``checkpoint.overlap_copy``): a worker that calls
 ``self.ckpt_guard(optimizer)`` lets ``ckpt_snapshot`` return before its host copy is
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from raycheckpoint._internal import rpc
 from raycheckpoint.dcp_io import VerifyingStorageReader, load_verified, overlapping_ranks
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.format import DCP_METADATA, unpack
@@ -149,6 +152,50 @@ class CheckpointableWorker:
         ``overlap``: on a worker with a guarded optimizer (:meth:`ckpt_guard`), return
         before the host copy, which then overlaps training up to the optimizer step.
         """
+        return self._snapshot(kind, wait_timeout_s, overlap, save_id=save_id, step_dir=step_dir,
+                              coordinator=coordinator, start=not defer_persist)
+
+    def ckpt_snapshot_begun(self, begun: Any, kind: str, wait_timeout_s: float = 1800.0,
+                            overlap: bool = False, begin_timeout_s: float = 1800.0
+                            ) -> dict[str, Any]:
+        """Stage this rank's state for the save ``coordinator.begin`` answered ``begun``;
+        its persist starts on ``ckpt_start_persist``.
+
+        ``begun`` is that answer, or a one-item list holding the reference to it, not yet
+        resolved: the host copy is then made while ``begin`` runs, and the answer is read
+        (waiting up to ``begin_timeout_s``) once the copy is made.  A save this rank is
+        not to write (the step was saved already, this role's weights are reused, or
+        ``begin`` failed, which the driver raises) persists nothing, and the answer has
+        ``"dropped"`` with the reason.
+        """
+        reason = ""
+
+        def named() -> tuple[str, str] | None:
+            nonlocal reason
+            answer = begun
+            if isinstance(answer, list):
+                try:
+                    answer = rpc.get(answer[0], begin_timeout_s)
+                except Exception as e:  # noqa: BLE001 - the driver gets the same error
+                    reason = f"begin failed: {type(e).__name__}"
+                    return None
+            if "existing" in answer:
+                reason = "saved already"
+                return None
+            if self.ckpt_role in answer["reused"]:
+                reason = "reused"
+                return None
+            return answer["save_id"], answer["name"]
+
+        out = self._snapshot(kind, wait_timeout_s, overlap, save_id="", step_dir="",
+                             coordinator=None, start=False, named=named)
+        if out.get("dropped"):
+            out["dropped"] = reason
+        return out
+
+    def _snapshot(self, kind: str, wait_timeout_s: float, overlap: bool, *, save_id: str,
+                  step_dir: str, coordinator: Any, start: bool,
+                  named: Any = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         saver = self._saver()
         if coordinator is None:
@@ -163,7 +210,7 @@ class CheckpointableWorker:
         overlap = overlap and bool(self._ckpt_guards)
         out = saver.snapshot(save_id=save_id, step_dir=step_dir, kind=kind, state=state,
                              extra=extra, coordinator=coordinator, wait_timeout_s=wait_timeout_s,
-                             assets=assets, start=not defer_persist, overlap=overlap)
+                             assets=assets, start=start, overlap=overlap, named=named)
         out["overlap"] = overlap
         out["copy_s"] = out["stall_s"]
         out["stall_s"] = time.perf_counter() - t0  # with building the state dict
