@@ -58,6 +58,9 @@ class CheckpointConfig:
     # storage: transient failures (connection drops, throttling, 5xx) are retried with
     # exponential backoff this many times per operation (see storage.py)
     storage_retries: int = 5
+    # local storage: each shard's data files are written with O_DIRECT (no page cache: the
+    # kernel neither copies nor keeps their bytes) where the filesystem allows it
+    direct_io: bool = True
 
     # integrity / security: every file's checksum is written; enable_checksum=False skips
     # checking the shards' checksums on load (sizes and metadata are always checked).

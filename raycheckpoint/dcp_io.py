@@ -146,7 +146,7 @@ class HashingStorageWriter(StorageWriter):
 
         def write_file() -> tuple[list[WriteResult], FileEntry]:
             results: list[WriteResult] = []
-            w = self.storage.open_write(rel, encrypt=True)
+            w = self.storage.open_write(rel, encrypt=True, direct=True)
             try:
                 with w:
                     pending: list = []  # records not yet written: one gathered write

@@ -157,7 +157,7 @@ class CheckpointManager:
                        if config.encryption_key is not None else None)
         self.spec = StorageSpec(config.save_dir, dict(config.storage_options),
                                 retries=config.storage_retries, cipher=self.cipher,
-                                checksum=config.checksum_algorithm)
+                                checksum=config.checksum_algorithm, direct_io=config.direct_io)
         self.storage = self.spec.open()
         if self.storage.is_process_local:
             raise ValueError(f"{config.save_dir!r} is process-local (memory://): Ray workers run "

@@ -22,16 +22,27 @@ the bytes (:mod:`raycheckpoint.digest`: BLAKE3 unless the storage is opened with
 ``checksum="sha256"``), so a file's checksum never needs a second read; a large chunk is
 hashed in a helper thread while it is written.  Instances are not
 picklable; ship a :class:`StorageSpec` to other processes and ``open()`` it there.
+
+A large file on local storage (``open_write(..., direct=True)``: the shards' data files)
+is written with ``O_DIRECT`` through page-aligned bounce buffers (:class:`_DirectFile`),
+so its bytes go from the staging buffers to the device without passing through the page
+cache: the kernel neither copies nor caches them, and a save does not evict the node's
+page cache.  Where the filesystem refuses ``O_DIRECT``, or ``StorageSpec(direct_io=False)``,
+it is written buffered, as every other file is.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
+import mmap
 import os
 import posixpath
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import fsspec
+import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from raycheckpoint import digest
@@ -83,14 +95,15 @@ class StorageSpec:
     retries: int = 5
     cipher: Any = field(default=None, repr=False)  # crypto.FileCipher: encrypts data files
     checksum: str = digest.DEFAULT  # the algorithm of the files it writes
+    direct_io: bool = True  # large local files with O_DIRECT where the filesystem allows
 
     def open(self) -> Storage:
         return Storage(self.uri, self.options, retries=self.retries, cipher=self.cipher,
-                       checksum=self.checksum)
+                       checksum=self.checksum, direct_io=self.direct_io)
 
     def child(self, name: str) -> StorageSpec:
         return StorageSpec(self.uri.rstrip("/") + "/" + name, self.options, self.retries,
-                           self.cipher, self.checksum)
+                           self.cipher, self.checksum, self.direct_io)
 
 
 # chunks at least this large are hashed in a helper thread while they are written
@@ -119,6 +132,118 @@ def _writev_all(fd: int, views: list[memoryview]) -> None:
             views[i] = views[i][written:]
 
 
+# O_DIRECT: offsets, lengths and buffer addresses in multiples of this (a page, which
+# covers 512-byte and 4 KiB logical blocks alike)
+DIRECT_ALIGN = 4096
+# bytes gathered in a bounce buffer per O_DIRECT write
+DIRECT_CHUNK = 8 << 20
+# pieces at least this large are copied into the bounce buffer by numpy, which releases
+# the GIL while it copies (a memoryview assignment holds it)
+_GIL_FREE_COPY_BYTES = 64 << 10
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux (and a few others)
+
+_bounce_lock = threading.Lock()
+_bounce_free: list[mmap.mmap] = []
+
+
+def _take_bounce() -> mmap.mmap:
+    """A page-aligned buffer of :data:`DIRECT_CHUNK` bytes, touched, reused across files
+    (at most one per file being written at once is ever allocated)."""
+    with _bounce_lock:
+        if _bounce_free:
+            return _bounce_free.pop()
+    buf = mmap.mmap(-1, DIRECT_CHUNK)
+    buf.write(bytes(DIRECT_CHUNK))  # fault it in now, not during the copies
+    return buf
+
+
+def _give_bounce(buf: mmap.mmap) -> None:
+    with _bounce_lock:
+        _bounce_free.append(buf)
+
+
+class _DirectFile:
+    """A new local file written with ``O_DIRECT`` through a page-aligned bounce buffer.
+
+    Pieces are copied into the buffer and written in :data:`DIRECT_CHUNK` writes; the tail
+    is written padded to :data:`DIRECT_ALIGN` and the file then truncated to its length,
+    and ``close`` fsyncs it (for the file's size and the device's cache).  The bytes never
+    enter the page cache.  A filesystem that opens with ``O_DIRECT`` but refuses such a
+    write (``EINVAL``) gets the rest of the file buffered.  ``open`` raises ``OSError``
+    where ``O_DIRECT`` cannot be opened at all (the caller writes buffered then).
+    """
+
+    def __init__(self, path: str) -> None:
+        if not O_DIRECT:
+            raise OSError(errno.EOPNOTSUPP, "no O_DIRECT on this platform", path)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                          | O_DIRECT, 0o644)
+        self._buf: mmap.mmap | None = _take_bounce()
+        self._view = memoryview(self._buf)
+        self._array = np.frombuffer(self._buf, dtype=np.uint8)
+        self._fill = 0  # bytes in the buffer
+        self._size = 0  # bytes of the file, written or in the buffer
+        self.direct = True
+
+    def write(self, views: list[memoryview]) -> None:
+        for v in views:
+            n, at = v.nbytes, 0
+            while at < n:
+                k = min(DIRECT_CHUNK - self._fill, n - at)
+                if k >= _GIL_FREE_COPY_BYTES:
+                    self._array[self._fill:self._fill + k] = np.frombuffer(
+                        v[at:at + k], dtype=np.uint8)
+                else:
+                    self._view[self._fill:self._fill + k] = v[at:at + k]
+                self._fill += k
+                at += k
+                if self._fill == DIRECT_CHUNK:
+                    self._write_out(DIRECT_CHUNK)
+        self._size += sum(v.nbytes for v in views)
+
+    def _write_out(self, length: int) -> None:
+        """Write the buffer's first ``length`` bytes (a multiple of the alignment)."""
+        done = 0
+        while done < length:
+            try:
+                written = os.write(self.fd, self._view[done:length])
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                self._buffered()  # this filesystem takes O_DIRECT opens, not such writes
+                continue
+            if written <= 0:
+                raise OSError(f"write wrote nothing to fd {self.fd}")
+            done += written
+            if done < length and done % DIRECT_ALIGN and self.direct:
+                self._buffered()  # a short write left the offset unaligned
+        self._fill = 0
+
+    def _buffered(self) -> None:
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~O_DIRECT)
+        self.direct = False
+
+    def close(self) -> None:
+        try:
+            if self._fill:
+                padded = -(-self._fill // DIRECT_ALIGN) * DIRECT_ALIGN
+                self._view[self._fill:padded] = bytes(padded - self._fill)
+                self._write_out(padded)
+                os.ftruncate(self.fd, self._size)
+            os.fsync(self.fd)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        if self._buf is not None:
+            self._array = None
+            self._view.release()
+            _give_bounce(self._buf)
+            self._buf = None
+            os.close(self.fd)
+
+
 class HashingWriter:
     """A write-only stream that hashes and counts what passes through it.
 
@@ -135,7 +260,7 @@ class HashingWriter:
     """
 
     def __init__(self, storage: Storage, rel: str, *, encrypt: bool = False,
-                 checksum: str | None = None) -> None:
+                 checksum: str | None = None, direct: bool = False) -> None:
         self._storage = storage
         self.rel = rel
         self._algorithm = checksum or storage.checksum
@@ -147,13 +272,27 @@ class HashingWriter:
         self._encryptor = storage.cipher.encryptor(rel) if encrypt and storage.cipher else None
         self._hasher: ThreadPoolExecutor | None = None  # started by the first large chunk
         full = storage.full_path(rel)
+        # written with O_DIRECT (see _DirectFile): asked for, local, not encrypted
+        self._direct: _DirectFile | None = None
         if storage.is_posix:
             os.makedirs(os.path.dirname(full), exist_ok=True)
-            self._f = open(full, "wb")  # noqa: SIM115 - closed in close()
+            if direct and storage.direct_io and self._encryptor is None:
+                try:
+                    self._direct = _DirectFile(full)
+                except OSError as e:  # this filesystem has no O_DIRECT: buffered, then
+                    if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+            if self._direct is None:
+                self._f = open(full, "wb")  # noqa: SIM115 - closed in close()
         else:
             self._f = storage.fs.open(full, "wb")
         if self._encryptor is not None:
             self._store(self._encryptor.header)
+
+    @property
+    def direct(self) -> bool:
+        """Whether this file's bytes go to the device with ``O_DIRECT``."""
+        return self._direct is not None and self._direct.direct
 
     def _store(self, data) -> None:
         size = memoryview(data).nbytes
@@ -163,7 +302,10 @@ class HashingWriter:
                 self._hasher = ThreadPoolExecutor(1, thread_name_prefix="raycheckpoint-hash")
             hashed = self._hasher.submit(self._hash.update, data)
         try:
-            self._f.write(data)
+            if self._direct is not None:
+                self._direct.write([memoryview(data).cast("B")])
+            else:
+                self._f.write(data)
         except Exception as e:
             # torch's zip writer replaces a failing write with "unexpected pos": keep the
             # real cause (a full disk, a lost connection) for whoever reports the failure
@@ -192,14 +334,18 @@ class HashingWriter:
                 self.write(v)
             return total
         faults.check("storage.write", path=self.rel)
-        self._f.flush()  # what went through the buffered file lies before these
+        if self._direct is None:
+            self._f.flush()  # what went through the buffered file lies before these
         hashed = None
         if total >= PARALLEL_HASH_BYTES:
             if self._hasher is None:
                 self._hasher = ThreadPoolExecutor(1, thread_name_prefix="raycheckpoint-hash")
             hashed = self._hasher.submit(_update_all, self._hash, views)
         try:
-            _writev_all(self._f.fileno(), views)
+            if self._direct is not None:
+                self._direct.write(views)
+            else:
+                _writev_all(self._f.fileno(), views)
         except Exception as e:
             self.error = self.error or e
             raise
@@ -230,17 +376,20 @@ class HashingWriter:
         return True
 
     def flush(self) -> None:
-        if self._storage.is_posix:
+        if self._storage.is_posix and self._direct is None:
             self._f.flush()
 
     def close(self) -> FileEntry:
         if self.entry is None:
             if self._encryptor is not None:
                 self._store(self._encryptor.finish())
-            if self._storage.is_posix:
-                self._f.flush()
-                os.fsync(self._f.fileno())
-            self._f.close()
+            if self._direct is not None:
+                self._direct.close()
+            else:
+                if self._storage.is_posix:
+                    self._f.flush()
+                    os.fsync(self._f.fileno())
+                self._f.close()
             self._stop_hasher()
             self.entry = FileEntry(self.rel, self._stored, digest.finish(self._algorithm, self._hash))
         return self.entry
@@ -254,7 +403,9 @@ class HashingWriter:
         """Close without committing the object (object stores drop the upload)."""
         self._stop_hasher()
         try:
-            if hasattr(self._f, "discard"):
+            if self._direct is not None:
+                self._direct.abort()
+            elif hasattr(self._f, "discard"):
                 self._f.discard()
             else:
                 self._f.close()
@@ -276,9 +427,10 @@ class Storage:
 
     def __init__(self, uri: str, options: dict[str, Any] | None = None, *,
                  create: bool = True, retries: int = 5, cipher: Any = None,
-                 checksum: str = digest.DEFAULT) -> None:
+                 checksum: str = digest.DEFAULT, direct_io: bool = True) -> None:
         self.uri = uri
         self.retries = retries
+        self.direct_io = direct_io
         self.cipher = cipher
         self.checksum = digest.check_algorithm(checksum)
         self.retried = 0  # transient failures retried so far (for reports and tests)
@@ -292,7 +444,8 @@ class Storage:
 
     @property
     def spec(self) -> StorageSpec:
-        return StorageSpec(self.uri, self.options, self.retries, self.cipher, self.checksum)
+        return StorageSpec(self.uri, self.options, self.retries, self.cipher, self.checksum,
+                           self.direct_io)
 
     def retrying(self, what: str, fn: Callable[[], T]) -> T:
         """``fn()``, retried with exponential backoff and jitter while it fails transiently.
@@ -332,11 +485,12 @@ class Storage:
 
     # ---- writes -------------------------------------------------------------------------
 
-    def open_write(self, rel: str, *, encrypt: bool = False,
-                   checksum: str | None = None) -> HashingWriter:
+    def open_write(self, rel: str, *, encrypt: bool = False, checksum: str | None = None,
+                   direct: bool = False) -> HashingWriter:
         """A hashing writer; ``encrypt``: through the storage's cipher, when it has one;
-        ``checksum``: an algorithm other than the storage's, for this file."""
-        return HashingWriter(self, rel, encrypt=encrypt, checksum=checksum)
+        ``checksum``: an algorithm other than the storage's, for this file; ``direct``: a
+        large file, written with ``O_DIRECT`` where allowed (see :class:`_DirectFile`)."""
+        return HashingWriter(self, rel, encrypt=encrypt, checksum=checksum, direct=direct)
 
     def write_bytes(self, rel: str, data: bytes, *, encrypt: bool = False,
                     checksum: str | None = None) -> FileEntry:

@@ -171,3 +171,119 @@ def test_file_uri_and_plain_path_agree(tmp_path):
     b = Storage(str(tmp_path))
     a.write_bytes("f", b"data")
     assert b.read_bytes("f") == b"data" and a.is_posix and b.is_posix
+
+
+def _direct_supported(root) -> bool:
+    import errno
+    import os
+
+    from raycheckpoint.storage import O_DIRECT
+
+    probe = os.path.join(str(root), f".probe-{uuid.uuid4().hex}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | O_DIRECT, 0o644))
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return False
+        raise
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+    return bool(O_DIRECT)
+
+
+
+def _cached_pages(path) -> int:
+    """How many of ``path``'s pages are in the page cache (mincore over a mapping)."""
+    import ctypes
+    import mmap
+    import os
+
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        m = mmap.mmap(f.fileno(), size)  # mapping faults nothing in
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * pages)()
+            anchor = ctypes.c_char.from_buffer(m)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            if libc.mincore(ctypes.addressof(anchor), size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+            del anchor
+            return sum(b & 1 for b in vec)
+        finally:
+            m.close()
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_direct_writes_are_the_same_bytes_and_bypass_the_page_cache(tmp_path, direct_io):
+    """A data file written with O_DIRECT: across bounce-buffer boundaries, through both
+    write paths, pieces of every size and a tail not a multiple of the alignment, the file
+    holds exactly the bytes written, with their checksum, and none of them is cached."""
+    import os
+
+    from raycheckpoint import storage as storage_mod
+
+    if not _direct_supported(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT")
+    st = Storage(str(tmp_path), direct_io=direct_io)
+    chunk = storage_mod.DIRECT_CHUNK
+    pieces = [os.urandom(n) for n in (3, 4096, chunk - 10, 70_000, 1, chunk + 12_345, 0, 999)]
+    with st.open_write("s/direct.bin", direct=True) as w:
+        assert w.direct is direct_io
+        w.write(b"head")
+        w.write_many(pieces[:4])
+        w.write(pieces[4])  # a plain write lands in the same buffer, in order
+        w.write_many(pieces[5:])
+        w.write(memoryview(b"tail" * 19))
+        length = w.tell()
+    path = tmp_path / "s" / "direct.bin"
+    cached = _cached_pages(path)
+    assert (cached == 0) if direct_io else (cached > 0)
+    expected = b"head" + b"".join(pieces) + b"tail" * 19
+    assert length == len(expected) == w.entry.size == os.path.getsize(path)
+    assert path.read_bytes() == expected
+    assert w.entry.digest == digest.of(expected, "blake3")
+    with st.open_write("s/empty.bin", direct=True) as w:
+        pass
+    assert path.with_name("empty.bin").read_bytes() == b"" and w.entry.size == 0
+
+
+def test_direct_writes_fall_back_where_the_filesystem_refuses_them(tmp_path, monkeypatch):
+    """A filesystem that opens with O_DIRECT but refuses the writes (EINVAL) gets the
+    file buffered from there on, the same bytes; one that cannot open it, from the start."""
+    import errno
+    import os
+
+    from raycheckpoint import storage as storage_mod
+
+    if not _direct_supported(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT")
+    real_write = os.write
+
+    def refusing_write(fd, data):
+        if storage_mod.fcntl.fcntl(fd, storage_mod.fcntl.F_GETFL) & storage_mod.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(storage_mod.os, "write", refusing_write)
+    data = os.urandom(storage_mod.DIRECT_CHUNK + 5000)
+    st = Storage(str(tmp_path))
+    with st.open_write("s/a.bin", direct=True) as w:
+        w.write_many([memoryview(data)])
+    assert not w.direct and (tmp_path / "s" / "a.bin").read_bytes() == data
+    monkeypatch.undo()
+
+    real_open = os.open
+
+    def no_direct_open(path, flags, *args):
+        if flags & storage_mod.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(storage_mod.os, "open", no_direct_open)
+    with st.open_write("s/b.bin", direct=True) as w:
+        w.write(data)
+    assert not w.direct and (tmp_path / "s" / "b.bin").read_bytes() == data
+    assert w.entry.digest == digest.of(data, "blake3")
