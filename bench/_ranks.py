@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 import os
 import time
 from typing import Any
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from raycheckpoint.storage import DIRECT_ALIGN, O_DIRECT
 from raycheckpoint.worker import (
     CheckpointableWorker,
     StateDictCache,
@@ -163,6 +165,7 @@ class _BenchRank(CheckpointableWorker):
         self._bg = None
         self._copy_buffers: list[torch.Tensor] | None = None
         self._raw: torch.Tensor | None = None
+        self._aligned: mmap.mmap | None = None
 
     def ready(self) -> dict[str, Any]:
         return {"rank": self.rank, "bytes": self.state_bytes(),
@@ -256,14 +259,41 @@ class _BenchRank(CheckpointableWorker):
             self._raw = torch.cat([t.reshape(-1).view(torch.uint8) for t in self._tensors()]).cpu()
         return memoryview(self._raw.numpy()).cast("B")
 
-    def raw_write(self, url: str, chunk: int = 8 << 20) -> float:
-        """Sequential write of this rank's bytes to one file (fsync on local disk)."""
+    def _raw_aligned(self) -> memoryview:
+        """This rank's bytes in page-aligned memory, zero-padded to a whole page."""
+        if self._aligned is None:
+            data = self._raw_buffer()
+            self._aligned = mmap.mmap(-1, -(-data.nbytes // DIRECT_ALIGN) * DIRECT_ALIGN)
+            self._aligned[:data.nbytes] = data
+        return memoryview(self._aligned)
+
+    def raw_write(self, url: str, chunk: int = 8 << 20, direct: bool = False) -> float | None:
+        """Sequential write of this rank's bytes to one file (fsync on local disk).
+
+        ``direct``: with ``O_DIRECT`` from page-aligned memory (local disk only; None
+        elsewhere, or where the filesystem refuses it), the tail padded to a page and the
+        file truncated to the length, as raycheckpoint writes its data files."""
         data = self._raw_buffer()
         fs, path, local = _fs(f"{url}/raw_{self.rank}.bin", self.options)
         fs.makedirs(os.path.dirname(path), exist_ok=True)
+        if direct and (not local or not O_DIRECT):
+            return None
+        aligned = self._raw_aligned() if direct else None
         dist.barrier()
         t0 = time.perf_counter()
-        if local:
+        if direct:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o644)
+            except OSError:
+                return None
+            try:
+                for i in range(0, aligned.nbytes, chunk):
+                    os.write(fd, aligned[i:i + chunk])
+                os.ftruncate(fd, data.nbytes)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        elif local:
             with open(path, "wb") as f:
                 for i in range(0, data.nbytes, chunk):
                     f.write(data[i:i + chunk])

@@ -179,6 +179,9 @@ def markdown(points: list[dict[str, Any]]) -> str:
                 f"| *limit: read* | | | {_fmt(lim['raw_read_s'])} | | | |", ""]
         s = point.get("step_overhead") or {}
         line = f"Host copy into fresh memory: {_fmt(lim['host_copy_fresh_s'])} s."
+        if lim.get("raw_write_direct_s") is not None:
+            line += (f" Write + fsync: buffered {_fmt(lim['raw_write_buffered_s'])} s, "
+                     f"O_DIRECT {_fmt(lim['raw_write_direct_s'])} s (the faster is the limit).")
         if s:
             line += (f" Training step {_fmt(s['step_s'])} s alone, "
                      f"{_fmt(s['step_during_persist_s'])} s beside a raycheckpoint persist "
