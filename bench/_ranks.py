@@ -164,8 +164,8 @@ class _BenchRank(CheckpointableWorker):
         self._stager = None
         self._bg = None
         self._copy_buffers: list[torch.Tensor] | None = None
-        self._raw: torch.Tensor | None = None
-        self._aligned: mmap.mmap | None = None
+        self._raw: mmap.mmap | None = None
+        self._raw_bytes = 0
 
     def ready(self) -> dict[str, Any]:
         return {"rank": self.rank, "bytes": self.state_bytes(),
@@ -254,18 +254,27 @@ class _BenchRank(CheckpointableWorker):
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    def _raw_buffer(self) -> memoryview:
-        if self._raw is None:
-            self._raw = torch.cat([t.reshape(-1).view(torch.uint8) for t in self._tensors()]).cpu()
-        return memoryview(self._raw.numpy()).cast("B")
-
     def _raw_aligned(self) -> memoryview:
-        """This rank's bytes in page-aligned memory, zero-padded to a whole page."""
-        if self._aligned is None:
-            data = self._raw_buffer()
-            self._aligned = mmap.mmap(-1, -(-data.nbytes // DIRECT_ALIGN) * DIRECT_ALIGN)
-            self._aligned[:data.nbytes] = data
-        return memoryview(self._aligned)
+        """This rank's bytes in page-aligned memory, zero-padded to a whole page (what an
+        ``O_DIRECT`` write needs; the buffered write and the read use the same memory)."""
+        if self._raw is None:
+            local = [t.reshape(-1).view(torch.uint8) for t in self._tensors()]
+            self._raw_bytes = sum(t.numel() for t in local)
+            self._raw = mmap.mmap(-1, -(-self._raw_bytes // DIRECT_ALIGN) * DIRECT_ALIGN)
+            flat = torch.frombuffer(self._raw, dtype=torch.uint8)
+            at = 0
+            for t in local:
+                flat[at:at + t.numel()].copy_(t)
+                at += t.numel()
+            del flat
+        return memoryview(self._raw)
+
+    def _raw_buffer(self) -> memoryview:
+        return self._raw_aligned()[:self._raw_bytes]
+
+    def free_limit_buffers(self) -> None:
+        """Drop the limits' buffers (a copy of this rank's state each) once measured."""
+        self._raw = self._copy_buffers = None
 
     def raw_write(self, url: str, chunk: int = 8 << 20, direct: bool = False) -> float | None:
         """Sequential write of this rank's bytes to one file (fsync on local disk).
@@ -278,7 +287,7 @@ class _BenchRank(CheckpointableWorker):
         fs.makedirs(os.path.dirname(path), exist_ok=True)
         if direct and (not local or not O_DIRECT):
             return None
-        aligned = self._raw_aligned() if direct else None
+        aligned = self._raw_aligned()
         dist.barrier()
         t0 = time.perf_counter()
         if direct:

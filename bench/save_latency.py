@@ -231,6 +231,7 @@ def measure_limits(group: list[Any], storage: BenchStorage, repeat: int) -> dict
         reads.append(_max([w.raw_read.remote(storage.url(f"raw/{i}")) for w in group]))
         storage.remove(f"raw/{i}")
         storage.remove(f"raw/{i}d")
+    ray.get([w.free_limit_buffers.remote() for w in group], timeout=TIMEOUT_S)
     best = min((w for w in writes.values() if w), key=_median)
     return {"host_copy_s": _median(copies), "host_copy_fresh_s": fresh,
             "raw_write_fsync_s": _median(best), "raw_read_s": _median(reads),
