@@ -73,3 +73,39 @@ def arm(group: list[Any], point: str, action: str = "raise", ranks=None) -> None
 
 def disarm(group: list[Any]) -> None:
     ray.get([w.disarm_faults.remote() for w in group], timeout=RPC_TIMEOUT)
+
+
+class TinyWorker:
+    """In one process (no Ray actor): a small MLP with AdamW, its optimizer state built by
+    one step, set up as rank 0 of role ``actor``; for tests that call the
+    :class:`~raycheckpoint.worker.CheckpointableWorker` methods directly."""
+
+    def __init__(self, root: str, guard: bool = False, coordinator: Any = None) -> None:
+        from torch import nn
+
+        from raycheckpoint.storage import StorageSpec
+
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+        self.optim = torch.optim.AdamW(self.net.parameters(), lr=0.05)
+        self.ckpt_setup(role="actor", rank=0, world_size=1, storage=StorageSpec(root),
+                        coordinator=coordinator)
+        if guard:
+            self.ckpt_guard(self.optim)
+        self.step()  # the optimizer state exists
+
+    def step(self) -> None:
+        loss = self.net(torch.randn(16, 32)).pow(2).mean()
+        self.optim.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optim.step()
+
+    def ckpt_state_dict(self, kind: str) -> dict:
+        return {"model": self.net.state_dict(), "optim": self.optim.state_dict()}
+
+    def ckpt_load_state_dict(self, state: dict, kind: str) -> None:
+        raise AssertionError("not loaded here")
+
+    def staged(self) -> dict:
+        """The host buffers of the last full snapshot."""
+        return self._saver()._buffers["full"][1]

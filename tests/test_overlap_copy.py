@@ -14,38 +14,24 @@ import time
 import pytest
 import ray
 import torch
-from torch import nn
 
 from raycheckpoint._internal import faults
-from raycheckpoint.storage import StorageSpec
 from raycheckpoint.worker import CheckpointableWorker
-from tests.helpers import RPC_TIMEOUT, arm, assert_same, disarm, full_state, manager, train
+from tests.helpers import (
+    RPC_TIMEOUT,
+    TinyWorker,
+    arm,
+    assert_same,
+    disarm,
+    full_state,
+    manager,
+    train,
+)
 
 HANG_S = 1.0
 
 
-class _Worker(CheckpointableWorker):
-    def __init__(self, root: str, guard: bool) -> None:
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
-        self.optim = torch.optim.AdamW(self.net.parameters(), lr=0.05)
-        self.ckpt_setup(role="actor", rank=0, world_size=1, storage=StorageSpec(root))
-        if guard:
-            self.ckpt_guard(self.optim)
-        self.step()  # the optimizer state exists
-
-    def step(self) -> None:
-        loss = self.net(torch.randn(16, 32)).pow(2).mean()
-        self.optim.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optim.step()
-
-    def ckpt_state_dict(self, kind: str) -> dict:
-        return {"model": self.net.state_dict(), "optim": self.optim.state_dict()}
-
-    def ckpt_load_state_dict(self, state: dict, kind: str) -> None:
-        raise AssertionError("not loaded here")
-
+class _Worker(TinyWorker, CheckpointableWorker):
     def snapshot_and_step(self) -> tuple[dict, dict, float]:
         """Save with overlap (its persist never started), then one training step."""
         at_save = copy.deepcopy(self.ckpt_state_dict("full"))
@@ -54,9 +40,6 @@ class _Worker(CheckpointableWorker):
         t0 = time.perf_counter()
         self.step()
         return out, at_save, time.perf_counter() - t0
-
-    def staged(self) -> dict:
-        return self._saver()._buffers["full"][1]
 
 
 def _tensors_equal(a, b) -> bool:

@@ -15,12 +15,11 @@ import time
 import pytest
 import ray
 import torch
-from torch import nn
 
 from raycheckpoint._internal import faults
-from raycheckpoint.storage import Storage, StorageSpec
+from raycheckpoint.storage import Storage
 from raycheckpoint.worker import CheckpointableWorker
-from tests.helpers import RPC_TIMEOUT
+from tests.helpers import RPC_TIMEOUT, TinyWorker
 
 SLOW_S = 1.0
 
@@ -46,31 +45,8 @@ def _begin(answer: dict, delay_s: float) -> dict:
     return answer
 
 
-class _Worker(CheckpointableWorker):
-    def __init__(self, root: str, coordinator, guard: bool = False) -> None:
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-        self.optim = torch.optim.AdamW(self.net.parameters(), lr=0.05)
-        self.ckpt_setup(role="actor", rank=0, world_size=1, storage=StorageSpec(root),
-                        coordinator=coordinator)
-        if guard:
-            self.ckpt_guard(self.optim)
-        self.step()
-
-    def step(self) -> None:
-        loss = self.net(torch.randn(8, 16)).pow(2).mean()
-        self.optim.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optim.step()
-
-    def ckpt_state_dict(self, kind: str) -> dict:
-        return {"model": self.net.state_dict(), "optim": self.optim.state_dict()}
-
-    def ckpt_load_state_dict(self, state: dict, kind: str) -> None:
-        raise AssertionError("not loaded here")
-
-    def staged(self) -> dict:
-        return self._saver()._buffers["full"][1]["model"]
+class _Worker(TinyWorker, CheckpointableWorker):
+    pass
 
 
 def _named(save_id: str, step: int) -> dict:
@@ -92,7 +68,7 @@ def reports(ray_session):
 @pytest.fixture
 def worker(reports, tmp_path):
     ray.get(reports.take.remote(), timeout=RPC_TIMEOUT)
-    return _Worker(str(tmp_path), reports), reports, Storage(str(tmp_path))
+    return _Worker(str(tmp_path), coordinator=reports), reports, Storage(str(tmp_path))
 
 
 def test_the_copy_is_made_while_begin_runs_and_persists_where_it_answers(worker):
@@ -104,7 +80,7 @@ def test_the_copy_is_made_while_begin_runs_and_persists_where_it_answers(worker)
     assert "dropped" not in out
     assert out["copy_s"] >= SLOW_S * 0.8 and time.perf_counter() - t0 >= SLOW_S * 0.8
     assert w._saver().pending.save_id == "s7" and not w._saver().pending.done()  # deferred
-    assert all(torch.equal(at_save[k], w.staged()[k]) for k in at_save)
+    assert all(torch.equal(at_save[k], w.staged()["model"][k]) for k in at_save)
     _persist(w, "s7")
     got = ray.get(reports.take.remote(), timeout=RPC_TIMEOUT)
     assert [(r[0], r[1], r[2], r[4]) for r in got] == [("s7", "actor", 0, None)]
@@ -131,13 +107,13 @@ def test_an_answer_naming_no_save_for_this_rank_drops_the_copy(worker, answer, r
     assert "dropped" not in out
     _persist(w, "s4")
     assert [r[0] for r in ray.get(reports.take.remote(), timeout=RPC_TIMEOUT)] == ["s4"]
-    assert all(torch.equal(v, w.staged()[k]) for k, v in w.net.state_dict().items())
+    assert all(torch.equal(v, w.staged()["model"][k]) for k, v in w.net.state_dict().items())
 
 
 def test_a_dropped_overlapped_copy_is_over_before_the_answer(reports, tmp_path):
     """With ``overlap_copy`` the copy runs in a thread; a dropped save still waits for it,
     so no later snapshot restages the buffers under a copy still running."""
-    w = _Worker(str(tmp_path), reports, guard=True)
+    w = _Worker(str(tmp_path), guard=True, coordinator=reports)
     faults.arm("worker.copy", f"hang:{SLOW_S}")
     try:
         out = w.ckpt_snapshot_begun([_begin.remote({"error": "storage gone"}, 0.0)], "full",
