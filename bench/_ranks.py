@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from raycheckpoint.storage import DIRECT_ALIGN, O_DIRECT
+from raycheckpoint.direct_io import DIRECT_ALIGN, O_DIRECT
 from raycheckpoint.worker import (
     CheckpointableWorker,
     StateDictCache,

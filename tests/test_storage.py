@@ -177,7 +177,7 @@ def _direct_supported(root) -> bool:
     import errno
     import os
 
-    from raycheckpoint.storage import O_DIRECT
+    from raycheckpoint.direct_io import O_DIRECT
 
     probe = os.path.join(str(root), f".probe-{uuid.uuid4().hex}")
     try:
@@ -223,12 +223,12 @@ def test_direct_writes_are_the_same_bytes_and_bypass_the_page_cache(tmp_path, di
     holds exactly the bytes written, with their checksum, and none of them is cached."""
     import os
 
-    from raycheckpoint import storage as storage_mod
+    from raycheckpoint import direct_io as dio
 
     if not _direct_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
     st = Storage(str(tmp_path), direct_io=direct_io)
-    chunk = storage_mod.DIRECT_CHUNK
+    chunk = dio.DIRECT_CHUNK
     pieces = [os.urandom(n) for n in (3, 4096, chunk - 10, 70_000, 1, chunk + 12_345, 0, 999)]
     with st.open_write("s/direct.bin", direct=True) as w:
         assert w.direct is direct_io
@@ -256,19 +256,19 @@ def test_direct_writes_fall_back_where_the_filesystem_refuses_them(tmp_path, mon
     import errno
     import os
 
-    from raycheckpoint import storage as storage_mod
+    from raycheckpoint import direct_io
 
     if not _direct_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
     real_write = os.write
 
     def refusing_write(fd, data):
-        if storage_mod.fcntl.fcntl(fd, storage_mod.fcntl.F_GETFL) & storage_mod.O_DIRECT:
+        if direct_io.fcntl.fcntl(fd, direct_io.fcntl.F_GETFL) & direct_io.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_write(fd, data)
 
-    monkeypatch.setattr(storage_mod.os, "write", refusing_write)
-    data = os.urandom(storage_mod.DIRECT_CHUNK + 5000)
+    monkeypatch.setattr(direct_io.os, "write", refusing_write)
+    data = os.urandom(direct_io.DIRECT_CHUNK + 5000)
     st = Storage(str(tmp_path))
     with st.open_write("s/a.bin", direct=True) as w:
         w.write_many([memoryview(data)])
@@ -278,11 +278,11 @@ def test_direct_writes_fall_back_where_the_filesystem_refuses_them(tmp_path, mon
     real_open = os.open
 
     def no_direct_open(path, flags, *args):
-        if flags & storage_mod.O_DIRECT:
+        if flags & direct_io.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(storage_mod.os, "open", no_direct_open)
+    monkeypatch.setattr(direct_io.os, "open", no_direct_open)
     with st.open_write("s/b.bin", direct=True) as w:
         w.write(data)
     assert not w.direct and (tmp_path / "s" / "b.bin").read_bytes() == data
