@@ -9,6 +9,7 @@ import fcntl
 import mmap
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -29,7 +30,7 @@ _bounce_free: list[mmap.mmap] = []
 
 def _take_bounce() -> mmap.mmap:
     """A page-aligned buffer of :data:`DIRECT_CHUNK` bytes, touched, reused across files
-    (at most one per file being written at once is ever allocated)."""
+    (at most two per file being written at once are ever allocated)."""
     with _bounce_lock:
         if _bounce_free:
             return _bounce_free.pop()
@@ -44,14 +45,22 @@ def _give_bounce(buf: mmap.mmap) -> None:
 
 
 class DirectFile:
-    """A new local file written with ``O_DIRECT`` through a page-aligned bounce buffer.
+    """A new local file written with ``O_DIRECT`` through page-aligned bounce buffers.
 
-    Pieces are copied into the buffer and written in :data:`DIRECT_CHUNK` writes; the tail
+    Pieces are copied into a buffer and written in :data:`DIRECT_CHUNK` writes; the tail
     is written padded to :data:`DIRECT_ALIGN` and the file then truncated to its length,
     and ``close`` fsyncs it (for the file's size and the device's cache).  The bytes never
-    enter the page cache.  A filesystem that opens with ``O_DIRECT`` but refuses such a
-    write (``EINVAL``) gets the rest of the file buffered.  ``open`` raises ``OSError``
-    where ``O_DIRECT`` cannot be opened at all (the caller writes buffered then).
+    enter the page cache.
+
+    An ``O_DIRECT`` write returns once the device has the bytes, so one buffer at a time
+    would leave the device idle while the next chunk is copied.  A full buffer is written
+    by a thread of the file's own instead, while the caller copies into a second one; the
+    writes stay in order (one in flight at most), and a failed one is raised by the next
+    ``write`` or by ``close``.
+
+    A filesystem that opens with ``O_DIRECT`` but refuses such a write (``EINVAL``) gets
+    the rest of the file buffered.  ``open`` raises ``OSError`` where ``O_DIRECT`` cannot
+    be opened at all (the caller writes buffered then).
     """
 
     def __init__(self, path: str) -> None:
@@ -59,12 +68,25 @@ class DirectFile:
             raise OSError(errno.EOPNOTSUPP, "no O_DIRECT on this platform", path)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
                           | O_DIRECT, 0o644)
-        self._buf: mmap.mmap | None = _take_bounce()
-        self._view = memoryview(self._buf)
-        self._array = np.frombuffer(self._buf, dtype=np.uint8)
-        self._fill = 0  # bytes in the buffer
-        self._size = 0  # bytes of the file, written or in the buffer
+        self._buf: mmap.mmap | None = None
+        self._bind(_take_bounce())
+        self._size = 0  # bytes of the file, written or in a buffer
         self.direct = True
+        self._writer: ThreadPoolExecutor | None = None  # started by the first full buffer
+        self._in_flight: tuple[Future, mmap.mmap] | None = None
+
+    def _bind(self, buf: mmap.mmap) -> None:
+        """Fill ``buf`` next."""
+        self._buf = buf
+        self._view = memoryview(buf)
+        self._array = np.frombuffer(buf, dtype=np.uint8)
+        self._fill = 0  # bytes in the buffer
+
+    def _unbind(self) -> mmap.mmap:
+        buf, self._buf = self._buf, None
+        self._array = None
+        self._view.release()
+        return buf
 
     def write(self, views: list[memoryview]) -> None:
         for v in views:
@@ -79,26 +101,53 @@ class DirectFile:
                 self._fill += k
                 at += k
                 if self._fill == DIRECT_CHUNK:
-                    self._write_out(DIRECT_CHUNK)
+                    self._send()
         self._size += sum(v.nbytes for v in views)
 
-    def _write_out(self, length: int) -> None:
-        """Write the buffer's first ``length`` bytes (a multiple of the alignment)."""
-        done = 0
-        while done < length:
-            try:
-                written = os.write(self.fd, self._view[done:length])
-            except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
-                    raise
-                self._buffered()  # this filesystem takes O_DIRECT opens, not such writes
-                continue
-            if written <= 0:
-                raise OSError(f"write wrote nothing to fd {self.fd}")
-            done += written
-            if done < length and done % DIRECT_ALIGN and self.direct:
-                self._buffered()  # a short write left the offset unaligned
-        self._fill = 0
+    def _send(self) -> None:
+        """Hand the full buffer to the writer thread; go on filling the other one."""
+        spare = self._settle()  # the previous write's buffer, free again (or its error)
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="raycheckpoint-direct")
+        full = self._unbind()
+        self._bind(spare if spare is not None else _take_bounce())
+        try:
+            self._in_flight = (self._writer.submit(self._write_out, full, DIRECT_CHUNK), full)
+        except BaseException:
+            _give_bounce(full)
+            raise
+
+    def _settle(self) -> mmap.mmap | None:
+        """Wait for the write in flight; its buffer, or None where none was in flight.
+        A failed write is raised here (its buffer back in the pool)."""
+        if self._in_flight is None:
+            return None
+        future, buf = self._in_flight
+        self._in_flight = None
+        try:
+            future.result()
+        except BaseException:
+            _give_bounce(buf)
+            raise
+        return buf
+
+    def _write_out(self, buf: mmap.mmap, length: int) -> None:
+        """Write ``buf``'s first ``length`` bytes (a multiple of the alignment)."""
+        with memoryview(buf) as view:
+            done = 0
+            while done < length:
+                try:
+                    written = os.write(self.fd, view[done:length])
+                except OSError as e:
+                    if e.errno != errno.EINVAL or not self.direct:
+                        raise
+                    self._buffered()  # this filesystem takes O_DIRECT opens, not such writes
+                    continue
+                if written <= 0:
+                    raise OSError(f"write wrote nothing to fd {self.fd}")
+                done += written
+                if done < length and done % DIRECT_ALIGN and self.direct:
+                    self._buffered()  # a short write left the offset unaligned
 
     def _buffered(self) -> None:
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~O_DIRECT)
@@ -106,19 +155,31 @@ class DirectFile:
 
     def close(self) -> None:
         try:
+            spare = self._settle()
+            if spare is not None:
+                _give_bounce(spare)
             if self._fill:
                 padded = -(-self._fill // DIRECT_ALIGN) * DIRECT_ALIGN
                 self._view[self._fill:padded] = bytes(padded - self._fill)
-                self._write_out(padded)
+                self._write_out(self._buf, padded)
                 os.ftruncate(self.fd, self._size)
             os.fsync(self.fd)
         finally:
             self.abort()
 
     def abort(self) -> None:
+        """Give the buffers back and close the file (after the write in flight, if any)."""
+        if self._in_flight is not None:
+            future, buf = self._in_flight
+            self._in_flight = None
+            try:
+                future.result()  # its buffer is reused once the write is over
+            except OSError:
+                pass  # the file is being abandoned for an error the caller already has
+            _give_bounce(buf)
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
         if self._buf is not None:
-            self._array = None
-            self._view.release()
-            _give_bounce(self._buf)
-            self._buf = None
+            _give_bounce(self._unbind())
             os.close(self.fd)

@@ -24,7 +24,8 @@ hashed in a helper thread while it is written.  Instances are not
 picklable; ship a :class:`StorageSpec` to other processes and ``open()`` it there.
 
 A large file on local storage (``open_write(..., direct=True)``: the shards' data files)
-is written with ``O_DIRECT`` through page-aligned bounce buffers (:mod:`~raycheckpoint.direct_io`),
+is written with ``O_DIRECT`` through two page-aligned bounce buffers, one copied into while
+the other is written (:mod:`~raycheckpoint.direct_io`),
 so its bytes go from the staging buffers to the device without passing through the page
 cache: the kernel neither copies nor caches them, and a save does not evict the node's
 page cache.  Where the filesystem refuses ``O_DIRECT``, or ``StorageSpec(direct_io=False)``,

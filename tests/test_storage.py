@@ -287,3 +287,74 @@ def test_direct_writes_fall_back_where_the_filesystem_refuses_them(tmp_path, mon
         w.write(data)
     assert not w.direct and (tmp_path / "s" / "b.bin").read_bytes() == data
     assert w.entry.digest == digest.of(data, "blake3")
+
+
+def test_direct_writes_copy_the_next_chunk_while_one_is_written(tmp_path, monkeypatch):
+    """The caller copies the next chunk into the second bounce buffer while the device
+    write of the first is still running; the file still holds the bytes in order."""
+    import os
+    import threading
+
+    from raycheckpoint import direct_io
+
+    if not _direct_supported(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT")
+    real_write = os.write
+    first_started, release = threading.Event(), threading.Event()
+    calls = []
+
+    def slow_first_write(fd, data):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            first_started.set()
+            assert release.wait(30), "the test never released the first write"
+        return real_write(fd, data)
+
+    monkeypatch.setattr(direct_io.os, "write", slow_first_write)
+    chunk = direct_io.DIRECT_CHUNK
+    data = os.urandom(2 * chunk + 777)
+    f = direct_io.DirectFile(str(tmp_path / "overlap.bin"))
+    try:
+        # the first chunk goes to the writer thread; the second is copied meanwhile
+        f.write([memoryview(data)[:chunk + chunk // 2]])
+        assert first_started.wait(30)
+        assert not release.is_set() and f._in_flight is not None and f._fill == chunk // 2
+        release.set()
+        f.write([memoryview(data)[chunk + chunk // 2:]])
+        f.close()
+    finally:
+        release.set()
+    assert (tmp_path / "overlap.bin").read_bytes() == data
+    assert calls[0].startswith("raycheckpoint-direct")  # the chunks were written by its thread
+
+
+def test_a_failed_background_direct_write_is_raised_with_its_cause(tmp_path, monkeypatch):
+    """A device write that fails in the writer thread (a full disk) fails the file's next
+    write or its close with that error; the bounce buffers go back and the file is closed."""
+    import errno
+    import os
+
+    from raycheckpoint import direct_io
+
+    if not _direct_supported(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT")
+    real_write, writes = os.write, []
+
+    def full_disk_on_second_write(fd, data):
+        writes.append(fd)
+        if len(writes) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    for buf in [direct_io._take_bounce(), direct_io._take_bounce()]:
+        direct_io._give_bounce(buf)  # the pool holds the two a file uses
+    pool = len(direct_io._bounce_free)
+    monkeypatch.setattr(direct_io.os, "write", full_disk_on_second_write)
+    st = Storage(str(tmp_path))
+    data = os.urandom(3 * direct_io.DIRECT_CHUNK + 10)
+    with pytest.raises(OSError) as raised, st.open_write("s/full.bin", direct=True) as w:
+        w.write_many([memoryview(data)])
+    assert raised.value.errno == errno.ENOSPC and w.error is raised.value
+    assert len(direct_io._bounce_free) == pool
+    path = str(tmp_path / "s" / "full.bin")
+    assert path not in {os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")}
