@@ -272,9 +272,12 @@ class _BenchRank(CheckpointableWorker):
     def _raw_buffer(self) -> memoryview:
         return self._raw_aligned()[:self._raw_bytes]
 
-    def free_limit_buffers(self) -> None:
-        """Drop the limits' buffers (a copy of this rank's state each) once measured."""
-        self._raw = self._copy_buffers = None
+    def free_limit_buffers(self, keep_copy: bool = False) -> None:
+        """Drop the limits' buffers (a copy of this rank's state each) once measured;
+        ``keep_copy``: all but the host copy's, measured again beside the saves."""
+        self._raw = None
+        if not keep_copy:
+            self._copy_buffers = None
 
     def raw_write(self, url: str, chunk: int = 8 << 20, direct: bool = False) -> float | None:
         """Sequential write of this rank's bytes to one file (fsync on local disk).

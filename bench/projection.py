@@ -16,6 +16,8 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from bench.report import stall_limit
+
 STATE_BYTES_PER_PARAM = 12  # fp32 weights + AdamW exp_avg + exp_avg_sq (FSDP, as verl)
 
 
@@ -58,7 +60,7 @@ def project(params: float, gpus: int, hw: Hardware, calib: dict[str, float]) -> 
 def calibration(results: dict, virtual: dict | None) -> dict[str, float]:
     m, lim = results["methods"], results["limits"]
     raw = lim["raw_write_fsync_s"]
-    out = {"stall_over_host_copy": m["raycheckpoint"]["stall_s"] / lim["host_copy_s"],
+    out = {"stall_over_host_copy": m["raycheckpoint"]["stall_s"] / stall_limit(lim),
            "durable_over_raw_write": m["raycheckpoint"]["durable_s"] / raw,
            "verl_over_raw_write": m["verl_sync"]["durable_s"] / raw,
            # rank 0 writes all ranks' bytes: compare with one rank's raw write of all of them

@@ -231,7 +231,7 @@ def measure_limits(group: list[Any], storage: BenchStorage, repeat: int) -> dict
         reads.append(_max([w.raw_read.remote(storage.url(f"raw/{i}")) for w in group]))
         storage.remove(f"raw/{i}")
         storage.remove(f"raw/{i}d")
-    ray.get([w.free_limit_buffers.remote() for w in group], timeout=TIMEOUT_S)
+    ray.get([w.free_limit_buffers.remote(keep_copy=True) for w in group], timeout=TIMEOUT_S)
     best = min((w for w in writes.values() if w), key=_median)
     return {"host_copy_s": _median(copies), "host_copy_fresh_s": fresh,
             "raw_write_fsync_s": _median(best), "raw_read_s": _median(reads),
@@ -283,6 +283,7 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
             f"{_fmt(limits['raw_write_direct_s'])} s), "
             f"read {limits['raw_read_s']:.3f} s")
         expected = ray.get([w.local_digest.remote() for w in group], timeout=TIMEOUT_S)
+        copies_beside: list[float] = []  # the host copy, measured before each of our saves
         last_url: dict[str, str] = {}  # method -> its newest checkpoint (the reshard source)
         ray_name = None
         for rnd in range(repeat + 1):  # round 0 warms up and is not counted
@@ -290,6 +291,10 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
                 url = storage.url(f"{method}/r{rnd}")
                 _settle(group, storage)
                 if method == "raycheckpoint":
+                    # the copy limit again, on the machine as this save finds it (after the
+                    # other methods' saves and loads), then settled as every save is
+                    copies_beside.append(_max([w.host_copy.remote() for w in group]))
+                    _settle(group, storage)
                     manager.update(step=rnd + 1)
                     t0 = time.perf_counter()
                     # the last round's checkpoint is tagged: the step-overhead saves below
@@ -324,7 +329,10 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
             if rnd:
                 log("   round " + str(rnd) + ": " + ", ".join(
                     f"{m} {samples[m]['stall_s'][-1]:.3f}/{samples[m]['durable_s'][-1]:.3f}"
-                    for m in methods) + " (stall/durable s)")
+                    for m in methods) + f" (stall/durable s); host copy {copies_beside[-1]:.3f} s")
+        ray.get([w.free_limit_buffers.remote() for w in group], timeout=TIMEOUT_S)
+        limits["host_copy_beside_s"] = _median(copies_beside[1:])  # round 0 warms up
+        limits["spread"]["host_copy_beside_s"] = _spread(copies_beside[1:])
         full_digest = None
         if reshard and ranks > 1:  # a gather: every rank joins, rank 0 answers
             full_digest = ray.get([w.full_digest.remote() for w in group], timeout=TIMEOUT_S)[0]

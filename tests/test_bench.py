@@ -49,6 +49,10 @@ def test_save_latency_bench_runs_every_method_and_writes_results(ray_session, tm
     # the write limit is the faster of a buffered and an O_DIRECT write (this local disk)
     assert lim["raw_write_direct_s"] > 0 and lim["raw_write_buffered_s"] > 0
     assert lim["raw_write_fsync_s"] == min(lim["raw_write_direct_s"], lim["raw_write_buffered_s"])
+    # the host copy is measured again before each of raycheckpoint's saves; stalls face that one
+    assert lim["host_copy_beside_s"] > 0 and lim["spread"]["host_copy_beside_s"][0] > 0
+    assert saved["targets"]["stall_over_host_copy"] == pytest.approx(
+        saved["methods"]["raycheckpoint"]["stall_s"] / lim["host_copy_beside_s"])
     assert saved["step_overhead"]["steps_during_persist"] >= 1
     assert saved["step_overhead"]["overlap_stall_s"] > 0  # overlap_copy measured too
     assert set(saved["targets"]["met"]) >= {"stall_over_host_copy", "durable_over_raw_write",
@@ -190,6 +194,27 @@ def test_release_ab_times_the_tree_it_imports(ray_session, tmp_path):
                 "--storage", str(tmp_path / "store")])
     assert out["durable_s"] > 0 and out["load_s"] > 0
     assert 0 < out["worker_stall_s"] <= out["stall_s"] < out["durable_s"]
+
+
+def test_stalls_are_compared_with_the_host_copy_measured_beside_them():
+    """A run that measured the copy before each of raycheckpoint's saves is judged by that;
+    results without it (earlier runs) by the copy measured before the rounds."""
+    from bench.report import markdown, targets
+
+    point = {"config": {"ranks": 2, "bytes_per_rank": 10**6, "bytes": 2 * 10**6,
+                        "tensors_per_rank": 788, "storage": "local", "repeat": 2},
+             "limits": {"host_copy_s": 0.10, "host_copy_beside_s": 0.20, "host_copy_fresh_s": 1.0,
+                        "raw_write_fsync_s": 1.0, "raw_read_s": 1.0},
+             "methods": {"raycheckpoint": {"stall_s": 0.25, "durable_s": 1.1, "load_s": 1.0,
+                                           "reshard_load_s": None, "durable_gb_s": 1.0},
+                         "verl_sync": {"stall_s": 2.0, "durable_s": 2.0, "load_s": 1.0,
+                                       "reshard_load_s": None, "durable_gb_s": 1.0}}}
+    got = targets(point)
+    assert got["stall_over_host_copy"] == pytest.approx(1.25) and got["met"]["stall_over_host_copy"]
+    assert got["verl_ratio_fraction_of_best"] == pytest.approx(0.8)
+    assert "| *limit: host copy* | 0.200 |" in markdown([point])
+    del point["limits"]["host_copy_beside_s"]
+    assert targets(point)["stall_over_host_copy"] == pytest.approx(2.5)
 
 
 def test_the_projection_never_calibrates_a_method_below_the_machines_limit():
