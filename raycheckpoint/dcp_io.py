@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from raycheckpoint import digest
+from raycheckpoint.dcp_load import LayoutCachingLoadPlanner
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.format import DCP_METADATA
 from raycheckpoint.integrity import check_digest, check_size, verify_bytes
@@ -461,7 +462,8 @@ def load_verified(state: dict[str, Any], reader: VerifyingStorageReader) -> None
     0.1-0.25 s per load at 788 items a rank, and a rank that failed left its peers
     waiting in the exchange; the manager gathers every rank's answer instead.  DCP wraps
     a failure in a CheckpointException; unwrapping lets callers (and ``"auto"`` resume)
-    tell corruption from other failures.
+    tell corruption from other failures.  The plan is DCP's default one, worked out once
+    per distinct tensor layout (:class:`~raycheckpoint.dcp_load.LayoutCachingLoadPlanner`).
     """
     reader.read_metadata()  # verified here, where DCP cannot turn its error into another
     try:
@@ -469,7 +471,8 @@ def load_verified(state: dict[str, Any], reader: VerifyingStorageReader) -> None
         # reader's threads set it for themselves. no_dist is meant: not "distributed is disabled"
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            dcp.load(state, storage_reader=reader, planner=LayoutCachingLoadPlanner(),
+                     no_dist=True)
     except CheckpointException as e:
         for wrapped in e.failures.values():
             inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
