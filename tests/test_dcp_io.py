@@ -16,7 +16,6 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from raycheckpoint import IntegrityError
 from raycheckpoint.dcp_io import (
-    PREFETCH_BYTES,
     HashingStorageWriter,
     VerifyingStorageReader,
     load_verified,
@@ -286,32 +285,79 @@ def test_overlapping_ranks_are_those_an_even_split_shares(rank, world_size, save
     assert list(overlapping_ranks(rank, world_size, saved)) == expected
 
 
-def test_prefetch_asks_the_kernel_for_the_named_ranks_files_only(storage, monkeypatch):
-    """The prefetch is a hint: it names the files of the ranks asked for (local disk; an
-    object store is not asked), and the load that follows reads and checks as before."""
-    advised: list[str] = []
-    real = getattr(os, "posix_fadvise", None)
+_SENDFILE, _FADVISE = os.sendfile, getattr(os, "posix_fadvise", None)
 
-    def fadvise(fd, offset, length, advice):
-        assert (offset, length, advice) == (0, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
-        advised.append(os.readlink(f"/proc/self/fd/{fd}"))
-        return real(fd, offset, length, advice)
 
-    monkeypatch.setattr(os, "posix_fadvise", fadvise, raising=False)
+def _recording(real, calls: list, reader=None):
+    """``real`` (os.sendfile or os.posix_fadvise), noting (file, offset, length) of each
+    call; with ``reader``, the first call also stops that reader's prefetch."""
+    def call(*args):
+        fd, offset, length = args[1:4] if real is _SENDFILE else args[:3]
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+        if reader is not None:
+            reader.stop_prefetch()
+        return real(*args)
+    return call
+
+
+def test_prefetch_reads_the_named_ranks_files_only(storage, monkeypatch):
+    """The prefetch streams the files of the ranks asked for through the page cache (local
+    disk; an object store is not asked), and the load that follows reads and checks as
+    before."""
+    calls: list = []
+    monkeypatch.setattr(os, "sendfile", _recording(_SENDFILE, calls))
     expected, source = _two_file_checkpoint(storage, "multi")
     reader = VerifyingStorageReader(storage, "multi", expected)
     thread = reader.prefetch([1])
-    if not storage.is_posix or real is None:
-        assert thread is None and not advised
+    if not storage.is_posix:
+        assert thread is None and not calls
     else:
         thread.join(10)
-        assert advised == [os.path.realpath(storage.full_path("multi/__1_0.distcp"))]
+        path = os.path.realpath(storage.full_path("multi/__1_0.distcp"))
+        assert {c[0] for c in calls} == {path}
+        assert sum(c[2] for c in calls) >= os.path.getsize(path)  # to the end of the file
         assert reader.prefetch([5]) is None  # a rank that wrote nothing here
     target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},
               "optim": {"step": torch.tensor(0.0)}}
     load_verified(target, reader)
     assert torch.equal(target["model"]["w"], source["model"]["w"])
     assert torch.equal(target["model"]["b"], source["model"]["b"])
+
+
+def test_prefetch_stops_at_its_bound_when_told_and_without_sendfile(tmp_path, monkeypatch):
+    """Each file is read in steps up to PREFETCH_BYTES; stop_prefetch ends it after the
+    current step; where sendfile is refused, the kernel is asked step by step instead (one
+    POSIX_FADV_WILLNEED call reads no more than the readahead window)."""
+    import raycheckpoint.dcp_io as dcp_io
+
+    storage = Storage(str(tmp_path))
+    expected, _ = _two_file_checkpoint(storage, "multi")
+    size = os.path.getsize(storage.full_path("multi/__0_0.distcp"))
+    monkeypatch.setattr(dcp_io, "PREFETCH_STEP", 1024)
+    monkeypatch.setattr(dcp_io, "PREFETCH_BYTES", 3 * 1024)
+    assert size > 4 * 1024
+
+    sent: list = []
+    monkeypatch.setattr(os, "sendfile", _recording(_SENDFILE, sent))
+    reader = VerifyingStorageReader(storage, "multi", expected)
+    reader.prefetch([0]).join(10)
+    assert [c[1:] for c in sent] == [(0, 1024), (1024, 1024), (2048, 1024)]
+
+    sent.clear()
+    reader = VerifyingStorageReader(storage, "multi", expected)
+    monkeypatch.setattr(os, "sendfile", _recording(_SENDFILE, sent, reader))
+    reader.prefetch([0]).join(10)
+    assert [c[1:] for c in sent] == [(0, 1024)]  # stopped during the first step
+
+    def refused(*args):
+        raise OSError(22, "Invalid argument")
+
+    advised: list = []
+    monkeypatch.setattr(os, "sendfile", refused)
+    monkeypatch.setattr(os, "posix_fadvise", _recording(_FADVISE, advised))
+    reader = VerifyingStorageReader(storage, "multi", expected)
+    reader.prefetch([0]).join(10)
+    assert [c[1:] for c in advised] == [(0, 1024), (1024, 1024), (2048, 1024)]
 
 
 def test_a_large_rank_keeps_its_small_items_in_a_file_of_their_own(storage, monkeypatch):
