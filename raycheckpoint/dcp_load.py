@@ -57,7 +57,8 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, *,
                     strict: bool = True) -> LoadPlan:
     """What ``create_default_local_load_plan(state_dict, metadata, strict)`` returns,
     asking DCP once per distinct layout."""
-    local_memo: dict[tuple, list | None] = {}
+    local_memo: dict[tuple, list] = {}
+    mesh_memo: dict[int, bool] = {}
     read_memo: dict[tuple, list[_Pattern]] = {}
     requests: list[ReadItem] = []
     for fqn, obj in state_dict.items():
@@ -66,17 +67,17 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, *,
             if strict:
                 raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
             continue
-        if not isinstance(md, TensorStorageMetadata) or not isinstance(obj, torch.Tensor):
-            requests += _create_read_items(fqn, md, obj)  # DCP's checks and errors
-            continue
-        if md.size != obj.size():
+        if (isinstance(md, TensorStorageMetadata) and getattr(obj, "size", None) is not None
+                and md.size != obj.size()):
             raise ValueError(
                 f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
-        local = _local_chunks(obj, local_memo)
-        if local is None:
+        if isinstance(obj, DTensor) and not _on_mesh(obj, mesh_memo):
             continue  # a DTensor on a mesh this rank is not part of
+        local = (_local_chunks(obj, local_memo)
+                 if isinstance(md, TensorStorageMetadata) and isinstance(obj, torch.Tensor)
+                 else _UNCACHED)
         if local is _UNCACHED:
-            requests += _create_read_items(fqn, md, obj)
+            requests += _create_read_items(fqn, md, obj)  # DCP's own, with its checks
             continue
         key = (tuple((c.offsets, c.sizes) for c in md.chunks),
                tuple((c.offsets, c.sizes) for c in local))
@@ -98,22 +99,28 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, *,
 _UNCACHED: list = []  # a tensor kind whose local chunks depend on more than its layout
 
 
-def _local_chunks(obj: torch.Tensor, memo: dict[tuple, list | None]) -> list | None:
-    """DCP's local chunk list for ``obj``, from ``memo`` where its layout was seen; None
-    for a DTensor whose mesh does not include this rank."""
+def _on_mesh(obj: DTensor, memo: dict[int, bool]) -> bool:
+    """Whether this rank is part of ``obj``'s device mesh (DCP skips the DTensors of a
+    mesh it is not part of); the mesh object stays alive while the state dict does."""
+    mesh = obj.device_mesh
+    if id(mesh) not in memo:
+        memo[id(mesh)] = mesh.get_coordinate() is not None
+    return memo[id(mesh)]
+
+
+def _local_chunks(obj: torch.Tensor, memo: dict[tuple, list]) -> list:
+    """DCP's local chunk list for ``obj``, from ``memo`` where its layout was seen, or
+    :data:`_UNCACHED` where DCP's answer depends on more than the layout."""
     if isinstance(obj, DTensor):
         if hasattr(obj._local_tensor, "__create_chunk_list__"):
             return _UNCACHED  # a sharded local tensor describes its own chunks
         # DCP's DTensor chunk is compute_local_shape_and_global_offset(shape, mesh,
-        # placements) on this rank; the mesh object stays alive while the state dict does
+        # placements) on this rank
         key: tuple = (obj.shape, id(obj.device_mesh), obj.placements)
-        if key not in memo:
-            on_mesh = obj.device_mesh.get_coordinate() is not None
-            memo[key] = _create_chunk_list(obj) if on_mesh else None
-        return memo[key]
-    if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+    elif type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter):
+        key = ("tensor", obj.shape)
+    else:
         return _UNCACHED  # a ShardedTensor or another tensor subclass
-    key = ("tensor", obj.shape)
     if key not in memo:
         memo[key] = _create_chunk_list(obj)
     return memo[key]
