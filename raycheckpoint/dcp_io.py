@@ -78,10 +78,11 @@ PARALLEL_READ_BYTES = 4 << 30
 SPLIT_AT_BYTES = 16 << 20
 SMALL_ITEM_BYTES = 64 << 10
 # how much of each data file a load reads into the page cache ahead of its own reads
-# (VerifyingStorageReader.prefetch), in steps of PREFETCH_STEP: the planning lasts
-# 30-60 ms, and the load's reads follow right behind; a bound keeps a huge shard from
-# crowding the page cache.  A step stays within the 8 MB a readahead call is allowed
-# where the kernel has to be asked with POSIX_FADV_WILLNEED.
+# (VerifyingStorageReader.prefetch), in steps of PREFETCH_STEP: DCP's planning lasts
+# 20-40 ms, and the load's reads follow right behind; a bound keeps a huge shard from
+# crowding the page cache.  Where the kernel has to be asked with POSIX_FADV_WILLNEED, it
+# reads at most the device's readahead window per call (8 MB on the test machines, often
+# less elsewhere), so a step is no larger.
 PREFETCH_BYTES = 1 << 30
 PREFETCH_STEP = 8 << 20
 
@@ -332,7 +333,7 @@ class VerifyingStorageReader(StorageReader):
         """Start reading the data files ``saved_ranks`` wrote into the page cache (local disk).
 
         DCP plans a load before it reads anything: verifying and unpickling ``.metadata``
-        and matching every item against the saved chunks take 30-60 ms at 788 items a
+        and matching every item against the saved chunks take 20-40 ms at 788 items a
         rank, with the disk idle.  Meanwhile up to ``parallel_files`` threads stream the
         files, each file's first :data:`PREFETCH_BYTES`, into the page cache
         (:func:`_page_in`), and the load's reads then find them there or follow right

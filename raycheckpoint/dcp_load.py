@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 # a read item of a layout, less its name: (type, dest chunk offsets, dest chunk index,
 # dest offsets, saved chunk offsets, saved chunk index, storage offsets, lengths)
 _Pattern = tuple[Any, Any, Any, torch.Size, Any, Any, torch.Size, torch.Size]
+_UNCACHED: list = []  # a tensor kind whose local chunks depend on more than its layout
 
 
 class LayoutCachingLoadPlanner(DefaultLoadPlanner):
@@ -94,9 +95,6 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, *,
                      for kind, d_off, d_idx, d_offsets, s_off, s_idx, s_offsets, lengths
                      in patterns]
     return LoadPlan(requests)
-
-
-_UNCACHED: list = []  # a tensor kind whose local chunks depend on more than its layout
 
 
 def _on_mesh(obj: DTensor, memo: dict[int, bool]) -> bool:
