@@ -334,7 +334,10 @@ class Trainer:
             if decision is not None and decision.kind not in saved and "full" not in saved:
                 blocked += self.save(kind=decision.kind, tag=None, reason="; ".join(decision.reasons))
                 saved.add(decision.kind)
-            if preempt.requested and self.ckpt_config.save_on_preemption and "full" not in saved:
+            # read once: a signal that lands after this point (while commits are collected or
+            # the record is written) is acted on at the end of the next step, never dropped
+            stopping = preempt.requested
+            if stopping and self.ckpt_config.save_on_preemption and "full" not in saved:
                 blocked += self.save(kind="full", tag=None, reason="preemption (SIGTERM)")
             self.collect_commits()
             sha = ray.get([w.weights_sha256.remote() for w in self.groups["actor"]], timeout=RPC)[0]
@@ -344,7 +347,7 @@ class Trainer:
                       "checkpoint_stats": self.finished_saves}
             self.events, self.finished_saves = [], []
             self.write_metrics(record)
-            if preempt.requested:
+            if stopping:
                 self.manager.wait_for_saves(RPC)
                 print(f"stopped by signal {preempt.signum} after step {step}; emergency checkpoint "
                       "committed", flush=True)

@@ -137,7 +137,8 @@ def test_killed_job_resumes_exactly(ray_head, tmp_path, algo):
 
 
 # ~110 s, and the default suite had reached 14:52 of its 15 minutes; .ci/run still runs it,
-# and the SIGTERM flag itself is unit-tested (test_triggers)
+# the SIGTERM flag itself is unit-tested (test_triggers) and the driver's loop around it
+# in-process (test_preemption)
 @pytest.mark.long
 def test_external_save_request_and_sigterm_emergency_save(ray_head, tmp_path):
     root = tmp_path / "run"
@@ -147,15 +148,17 @@ def test_external_save_request_and_sigterm_emergency_save(ray_head, tmp_path):
     assert out.returncode == 0, out.stderr
     jid = job_id(out.stdout + out.stderr)
 
+    def logs() -> str:
+        return subprocess.run([RAY, "job", "logs", jid, "--address", ray_head["address"]],
+                              capture_output=True, text=True, timeout=60, env=ray_head["env"]).stdout[-3000:]
+
     def wait_for(pred, what, timeout=240):
         deadline = time.time() + timeout
         while time.time() < deadline:
             if (root / "metrics.jsonl").exists() and pred(metrics(root)):
                 return metrics(root)
             time.sleep(0.5)
-        logs = subprocess.run([RAY, "job", "logs", jid, "--address", ray_head["address"]],
-                              capture_output=True, text=True, timeout=60, env=ray_head["env"]).stdout
-        raise AssertionError(f"timed out waiting for {what}; logs: {logs[-3000:]}")
+        raise AssertionError(f"timed out waiting for {what}; logs: {logs()}")
 
     wait_for(lambda m: len(m) >= 2, "two steps")
     req = subprocess.run([sys.executable, "-m", "raycheckpoint.request", str(root), "--tag",
@@ -173,7 +176,7 @@ def test_external_save_request_and_sigterm_emergency_save(ray_head, tmp_path):
     assert stop.returncode == 0, stop.stdout + stop.stderr
     m = metrics(root)
     last = max(m)
-    assert any("preemption (SIGTERM)" in e for e in m[last]["ckpt_events"]), m[last]
+    assert any("preemption (SIGTERM)" in e for e in m[last]["ckpt_events"]), (m[last], logs())
     assert last < 500
     name = f"step_{last:08d}"
     assert st.exists(f"{name}/{COMMITTED}")
