@@ -282,11 +282,15 @@ class VerifyingStorageReader(StorageReader):
         faulted in beyond the file's pages); its checksum is computed in a helper thread
         (both hashes release the GIL) while the caller copies tensors out of the mapping, and
         checked when the caller is done: a mismatch raises IntegrityError, also when the
-        caller failed first on the corrupt bytes.  Elsewhere, and for encrypted files, the
-        file is read and verified first.
+        caller failed first on the corrupt bytes.  Elsewhere (object stores) the file streams
+        into a buffer of its listed size and is verified before use; with a cipher it is
+        read, verified and decrypted first.
         """
-        if not (self.storage.is_posix and self.storage.cipher is None):
+        if self.storage.cipher is not None:
             yield memoryview(bytearray(self._read_verified(rel)))
+            return
+        if not self.storage.is_posix:
+            yield self._read_into_verified(rel)
             return
         try:
             f = open(self.storage.full_path(rel), "rb")  # noqa: SIM115 - closed below
@@ -328,6 +332,26 @@ class VerifyingStorageReader(StorageReader):
                     # a tensor viewing the mapping is still referenced (by a traceback);
                     # the mapping closes when that goes
                     pass
+
+    def _read_into_verified(self, rel: str) -> memoryview:
+        """``rel`` read into a buffer of the manifest's size (``Storage.read_into``: an
+        object's body streams into it), checked against the manifest."""
+        from raycheckpoint.crypto import MAGIC
+
+        expected = self.expected.get(rel)
+        if expected is None:
+            check_size(rel, 0, None)  # raises: the manifest does not list it
+        buf = bytearray(expected.size)
+        try:
+            size = self.storage.read_into(rel, memoryview(buf))
+        except FileNotFoundError as e:
+            raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
+        check_size(rel, size, expected)
+        if self.checksums:
+            check_digest(rel, digest.like(buf, expected.digest, threads=self.hash_threads), expected)
+        if buf.startswith(MAGIC):  # encrypted, and this storage has no key: say so
+            self.storage.decrypted(rel, bytes(buf))
+        return memoryview(buf)
 
     def prefetch(self, saved_ranks: Iterable[int]) -> threading.Thread | None:
         """Start reading the data files ``saved_ranks`` wrote into the page cache (local disk).

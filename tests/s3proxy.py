@@ -5,7 +5,9 @@ random, per request) to
 
 * answer ``503 SlowDown`` (throttling) with probability ``fail``,
 * drop the connection without an answer with probability ``drop``,
-* answer only after ``delay_s`` with probability ``slow``.
+* answer only after ``delay_s`` with probability ``slow``,
+* send a GET's answer with its full ``Content-Length`` but only half its body, then
+  close the connection, with probability ``cut``.
 
 ``counts`` tells what it did.  Bounded: it serves only while the test runs and listens
 on 127.0.0.1 only.
@@ -31,7 +33,7 @@ class FaultProxy:
     def __init__(self, upstream: str, *, seed: int = 0) -> None:
         split = urlsplit(upstream)
         self.upstream = (split.hostname, split.port)
-        self.fail = self.drop = self.slow = 0.0
+        self.fail = self.drop = self.slow = self.cut = 0.0
         self.delay_s = 0.2
         self.counts: Counter[str] = Counter()
         self._rng = random.Random(seed)
@@ -73,6 +75,7 @@ class FaultProxy:
                     return
                 if action == "slow":
                     time.sleep(proxy.delay_s)
+                cut = action == "cut" and self.command == "GET"
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
                 if body or self.command in ("PUT", "POST"):
@@ -88,7 +91,12 @@ class FaultProxy:
                 if not head:
                     self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                if self.command != "HEAD":
+                if cut:
+                    self.wfile.write(data[:len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.close()
+                elif self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
 
@@ -108,14 +116,17 @@ class FaultProxy:
                 action = "drop"
             elif r < self.fail + self.drop + self.slow:
                 action = "slow"
+            elif r < self.fail + self.drop + self.slow + self.cut:
+                action = "cut"
             else:
                 action = "forward"
             self.counts[action] += 1
             return action
 
-    def set(self, *, fail: float = 0.0, drop: float = 0.0, slow: float = 0.0) -> None:
+    def set(self, *, fail: float = 0.0, drop: float = 0.0, slow: float = 0.0,
+            cut: float = 0.0) -> None:
         with self._lock:
-            self.fail, self.drop, self.slow = fail, drop, slow
+            self.fail, self.drop, self.slow, self.cut = fail, drop, slow, cut
             self.counts.clear()
 
     def __enter__(self) -> FaultProxy:

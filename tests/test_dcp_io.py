@@ -78,8 +78,7 @@ def test_tampered_metadata_is_never_unpickled(tmp_path):
         load_verified({"model": {"w": torch.zeros(64, 32)}}, reader)
 
 
-def test_file_not_in_manifest_is_refused(tmp_path):
-    storage = Storage(str(tmp_path))
+def test_file_not_in_manifest_is_refused(storage):
     _save(storage)
     reader = VerifyingStorageReader(storage, "step_00000001/actor", {})
     with pytest.raises(IntegrityError, match="not listed in the checkpoint's manifest"):
@@ -153,10 +152,10 @@ def test_load_record_refuses_what_weights_only_refuses():
 
 
 @pytest.mark.parametrize("checksums", [True, False])
-def test_every_byte_of_a_data_file_is_checked_while_tensors_load(tmp_path, checksums):
-    """A data file is hashed beside the tensor copies: a flip anywhere in it (zip headers,
-    pickles, tensor bytes) fails the load naming the file, even where parsing fails first."""
-    storage = Storage(str(tmp_path))
+def test_every_byte_of_a_data_file_is_checked_while_tensors_load(storage, checksums):
+    """A data file is hashed beside the tensor copies (local disk) or before them (object
+    stores): a flip anywhere in it (zip headers, pickles, tensor bytes) fails the load
+    naming the file, even where parsing fails first."""
     expected = _save(storage)
     path = "step_00000001/actor/__0_0.distcp"
     clean = storage.read_bytes(path)
@@ -176,6 +175,28 @@ def test_every_byte_of_a_data_file_is_checked_while_tensors_load(tmp_path, check
             load_verified({"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}}, reader)
         assert err.value.path == path, at
     storage.write_bytes(path, clean)
+
+
+def test_a_missing_or_truncated_data_file_is_refused(storage):
+    expected = _save(storage)
+    path = "step_00000001/actor/__0_0.distcp"
+    clean = storage.read_bytes(path)
+
+    def load() -> None:
+        reader = VerifyingStorageReader(storage, "step_00000001/actor", expected)
+        load_verified({"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}}, reader)
+
+    storage.write_bytes(path, clean[:-1])
+    with pytest.raises(IntegrityError, match="truncated or overwritten"):
+        load()
+    storage.write_bytes(path, clean + b"\0")
+    with pytest.raises(IntegrityError, match="truncated or overwritten"):
+        load()
+    storage.delete(path)
+    with pytest.raises(IntegrityError, match="missing from storage"):
+        load()
+    storage.write_bytes(path, clean)
+    load()
 
 
 def test_save_record_skips_only_the_zip_crc():

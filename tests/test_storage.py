@@ -32,6 +32,23 @@ def test_write_read_hash_and_ranges(storage):
     assert not storage.exists("a/b/nope")
 
 
+def test_read_into_fills_the_buffer_or_says_the_size(storage, monkeypatch):
+    from raycheckpoint import storage as storage_module
+
+    monkeypatch.setattr(storage_module, "READ_STEP", 1000)  # several pieces
+    data = bytes(range(256)) * 20
+    storage.write_bytes("a/f", data)
+    out = bytearray(len(data))
+    assert storage.read_into("a/f", memoryview(out)) == len(data)
+    assert out == data
+    for wrong in (len(data) - 1, len(data) + 1, 0):  # the file's size, the buffer untouched
+        out = bytearray(b"x" * wrong)
+        assert storage.read_into("a/f", memoryview(out)) == len(data)
+        assert out == b"x" * wrong
+    with pytest.raises(FileNotFoundError):
+        storage.read_into("a/nope", memoryview(bytearray(1)))
+
+
 @pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
 def test_files_are_hashed_with_the_storages_algorithm_and_checked_by_their_own(tmp_path, algorithm):
     """BLAKE3 digests carry their name; sha256 ones are the bare hex format 1 wrote.  A

@@ -73,6 +73,21 @@ def test_storage_operations_survive_a_lossy_s3(proxy, s3_server, s3_root):
 
 
 @pytest.mark.s3
+def test_a_streamed_read_starts_over_when_a_response_is_cut_short(proxy, s3_server, s3_root):
+    uri, _ = s3_root
+    data = os.urandom(9 << 20)  # more than two of read_into's pieces
+    Storage(uri, s3_server["options"]).write_bytes("d/big", data)
+    st = Storage(uri, _options(s3_server, proxy.endpoint, config_kwargs={"retries": {"max_attempts": 1}}),
+                 retries=8)
+    proxy.set(cut=0.5, fail=0.2)
+    for _ in range(4):
+        out = bytearray(len(data))
+        assert st.read_into("d/big", memoryview(out)) == len(data)
+        assert out == data
+    assert proxy.counts["cut"] > 0 and st.retried > 0
+
+
+@pytest.mark.s3
 @pytest.mark.parametrize("rates", [
     {"fail": 0.2, "drop": 0.05, "slow": 0.05},
     # about 45 s here: with the long tests (.ci/run's second run)
