@@ -9,7 +9,8 @@ random, per request) to
 * send a GET's answer with its full ``Content-Length`` but only half its body, then
   close the connection, with probability ``cut``.
 
-``counts`` tells what it did.  Bounded: it serves only while the test runs and listens
+``counts`` tells what it did, and how many requests asked for a byte range
+(``ranged``).  Bounded: it serves only while the test runs and listens
 on 127.0.0.1 only.
 """
 
@@ -61,6 +62,9 @@ class FaultProxy:
 
             def _handle(self) -> None:
                 body = self._body()
+                if self.headers.get("Range"):
+                    with proxy._lock:
+                        proxy.counts["ranged"] += 1
                 action = proxy._decide()
                 if action == "drop":
                     self.close_connection = True
