@@ -658,6 +658,8 @@ async def _s3_read_into(fs: Any, full: str, out: memoryview, progress: _Received
                              **({"Range": f"bytes={pos}-"} if pos else {}))
     body = resp["Body"]
     try:
+        if pos and "ContentRange" not in resp:  # a server that ignores ranges sent it all
+            pos = 0
         # a ranged answer: "bytes 100-199/200"; a whole one: its length
         size = int(resp["ContentRange"].rpartition("/")[2]) if pos else int(resp["ContentLength"])
         if size != len(out):

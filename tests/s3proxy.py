@@ -35,6 +35,7 @@ class FaultProxy:
         split = urlsplit(upstream)
         self.upstream = (split.hostname, split.port)
         self.fail = self.drop = self.slow = self.cut = 0.0
+        self.ignore_range = False  # forward GETs without their Range header, as some servers answer
         self.delay_s = 0.2
         self.counts: Counter[str] = Counter()
         self._rng = random.Random(seed)
@@ -81,7 +82,8 @@ class FaultProxy:
                     time.sleep(proxy.delay_s)
                 cut = action == "cut" and self.command == "GET"
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP
+                           and not (proxy.ignore_range and k.lower() == "range")}
                 if body or self.command in ("PUT", "POST"):
                     headers["Content-Length"] = str(len(body))
                 conn.request(self.command, self.path, body=body or None, headers=headers)
