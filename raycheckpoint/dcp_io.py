@@ -15,13 +15,16 @@ What this layer adds:
 * the reader checks every file it opens against the verified manifest (presence,
   size, checksum), and a flipped bit raises :class:`~raycheckpoint.errors.IntegrityError`
   naming the file.  DCP's pickled ``.metadata`` is verified before it is unpickled.  A
-  data file's checksum is computed in a helper thread while its tensors are copied out
-  (only tensor records are read before that; non-tensor items, which DCP unpickles,
+  local data file's checksum is computed in a helper thread while its tensors are copied
+  out (only tensor records are read before that; non-tensor items, which DCP unpickles,
   wait for the check), and checked before the load returns;
 * on local disk a data file is memory-mapped and each tensor is copied straight from the
   mapping into its destination: no per-item buffer, no intermediate tensor, and for a
   record of the layout the metadata names no zip parsing either
-  (:mod:`raycheckpoint.records`).
+  (:mod:`raycheckpoint.records`);
+* on object stores a data file's body streams into one buffer of its listed size
+  (:meth:`~raycheckpoint.storage.Storage.read_into`), which is verified before anything
+  is copied out of it.
 
 DCP call order (all ranks unless noted): ``reset`` -> ``set_up_storage_writer`` ->
 ``prepare_local_plan`` -> (coordinator) ``prepare_global_plan`` -> ``write_data`` ->
