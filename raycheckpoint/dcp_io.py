@@ -339,8 +339,6 @@ class VerifyingStorageReader(StorageReader):
     def _read_into_verified(self, rel: str) -> memoryview:
         """``rel`` read into a buffer of the manifest's size (``Storage.read_into``: an
         object's body streams into it), checked against the manifest."""
-        from raycheckpoint.crypto import MAGIC
-
         expected = self.expected.get(rel)
         if expected is None:
             check_size(rel, 0, None)  # raises: the manifest does not list it
@@ -352,8 +350,7 @@ class VerifyingStorageReader(StorageReader):
         check_size(rel, size, expected)
         if self.checksums:
             check_digest(rel, digest.like(buf, expected.digest, threads=self.hash_threads), expected)
-        if buf.startswith(MAGIC):  # encrypted, and this storage has no key: say so
-            self.storage.decrypted(rel, bytes(buf))
+        self.storage.decrypted(rel, buf)  # no key here: raises if the file is encrypted
         return memoryview(buf)
 
     def prefetch(self, saved_ranks: Iterable[int]) -> threading.Thread | None:

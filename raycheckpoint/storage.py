@@ -501,7 +501,7 @@ class Storage:
                 progress.received = pos
             return size
 
-    def decrypted(self, rel: str, data: bytes) -> bytes:
+    def decrypted(self, rel: str, data: bytes | bytearray) -> bytes | bytearray:
         """``data`` (verified stored bytes of ``rel``) as plaintext: decrypted if encrypted."""
         from raycheckpoint.crypto import MAGIC, EncryptionKeyError
 

@@ -9,9 +9,8 @@ random, per request) to
 * send a GET's answer with its full ``Content-Length`` but only half its body, then
   close the connection, with probability ``cut``.
 
-``counts`` tells what it did, and how many requests asked for a byte range
-(``ranged``).  Bounded: it serves only while the test runs and listens
-on 127.0.0.1 only.
+``counts`` tells what it did, ``ranged`` how many requests asked for a byte range.
+Bounded: it serves only while the test runs and listens on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ class FaultProxy:
         self.ignore_range = False  # forward GETs without their Range header, as some servers answer
         self.delay_s = 0.2
         self.counts: Counter[str] = Counter()
+        self.ranged = 0
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         proxy = self
@@ -65,7 +65,7 @@ class FaultProxy:
                 body = self._body()
                 if self.headers.get("Range"):
                     with proxy._lock:
-                        proxy.counts["ranged"] += 1
+                        proxy.ranged += 1
                 action = proxy._decide()
                 if action == "drop":
                     self.close_connection = True
@@ -134,6 +134,7 @@ class FaultProxy:
         with self._lock:
             self.fail, self.drop, self.slow, self.cut = fail, drop, slow, cut
             self.counts.clear()
+            self.ranged = 0
 
     def __enter__(self) -> FaultProxy:
         self._thread.start()

@@ -515,4 +515,3 @@ def test_a_record_of_a_known_layout_is_read_without_torchs_reader(make, monkeypa
     assert parsed == [1]
     other = record_tensor(blob, src.dtype, (1, *src.shape))  # the metadata says another shape
     assert parsed == [1, 1] and torch.equal(other, src)  # torch's answer; the caller checks it
-
