@@ -152,10 +152,17 @@ class HashingStorageWriter(StorageWriter):
         # bytes first, then tensors: the same order torch's writer uses
         items = sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)
 
+        image = getattr(planner, "file_image", None)
+        staged_whole = None if image is None else image(file_name, items)
+
         def write_file() -> tuple[list[WriteResult], FileEntry]:
             results: list[WriteResult] = []
             w = self.storage.open_write(rel, encrypt=True, direct=True)
             try:
+                if staged_whole is not None:  # the file's bytes, staged as one block
+                    with w:
+                        w.write_many([staged_whole[0]])
+                    return list(staged_whole[1]), w.close()
                 with w:
                     pending: list = []  # records not yet written: one gathered write
                     at = 0  # where the next record starts

@@ -24,7 +24,9 @@ with the same writer, and ``.metadata`` holds equal metadata.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import mmap
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,10 +36,14 @@ from torch.distributed.checkpoint import DefaultSavePlanner, Metadata, SavePlan
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from raycheckpoint.direct_io import DIRECT_ALIGN
 from raycheckpoint.records import contiguous_owner, record_pieces
 
 # what a rank says in an agreement (the all-reduce takes the minimum)
 FAILED, CHANGED, SAME = 0, 1, 2
+# where a data file is staged whole (ReusingSavePlanner.adopt_image), each record's tensor
+# data starts on a multiple of this in the file (an allocator's alignment)
+RECORD_DATA_ALIGN = 64
 
 
 class ReusingSavePlanner(DefaultSavePlanner):
@@ -58,6 +64,8 @@ class ReusingSavePlanner(DefaultSavePlanner):
         self._resolved: dict[Any, torch.Tensor] = {}
         self._pieces: dict[Any, tuple | None] = {}
         self.reused: _Outcome | None = None
+        self.images: dict[str, _Image] = {}  # data files staged whole (adopt_image)
+        self.tried_images = False  # whether the saver has tried to (once per planner)
 
     def create_local_plan(self) -> SavePlan:
         if self._cached_plan is None:
@@ -88,6 +96,101 @@ class ReusingSavePlanner(DefaultSavePlanner):
             same_memory = owner.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
             self._pieces[write_item.index] = record_pieces(owner) if same_memory else None
         return self._pieces[write_item.index]
+
+    def forget_tensors(self) -> None:
+        """Drop every resolved tensor, record piece and image: the staged tensors moved."""
+        self._resolved.clear()
+        self._pieces.clear()
+        self.images.clear()
+
+    def file_image(self, file_name: str, items: list[Any]) -> tuple[memoryview, list] | None:
+        """``file_name``'s bytes as one page-aligned block, and the write results they give,
+        where the file is staged whole (:meth:`adopt_image`) and its items are still the
+        tensors in that block; None otherwise (the file is written record by record)."""
+        image = self.images.get(file_name)
+        if image is None or len(items) != len(image.indices):
+            return None
+        for item, index, at in zip(items, image.indices, image.data_ptrs, strict=True):
+            if item.index != index or self.resolve_data(item).data_ptr() != at:
+                return None
+        return image.view, list(image.results)
+
+    @torch.no_grad()
+    def adopt_image(self, file_name: str, results: list[WriteResult],
+                    owners: Mapping[int, torch.Tensor]) -> bool:
+        """Move the staged tensors of data file ``file_name`` into one page-aligned block
+        that holds the file's exact bytes, records' headers included, so that later saves
+        write the file straight from it (no copy into a bounce buffer: see
+        :class:`~raycheckpoint.direct_io.DirectFile`).
+
+        In the block each record is placed so that its tensor's data starts on a multiple
+        of :data:`RECORD_DATA_ALIGN` (zeros in between, which no reader reads: an item is
+        read at the offset its write result records), so the tensors moved there are
+        aligned as an allocator's are.  The next save's write results, and so
+        ``.metadata``, change once for that; DCP's readers read the file as before.
+
+        ``results``: the write results of the save just made with this planner;
+        ``owners``: the staged tensors (what the host copy writes into) by data pointer.
+        Each is moved with ``Tensor.set_``, so every holder of the tensor sees the block.
+        The caller must then have every other planner over these tensors
+        :meth:`forget_tensors`.  Returns False, moving nothing, where the file is not all
+        tensor records of this planner's pieces, or a tensor is not the whole of its owner.
+        """
+        mine = [r for r in results if r.storage_data.relative_path == file_name]
+        moves: list[tuple[torch.Tensor, int, bytes, bytes]] = []
+        placed: list[WriteResult] = []
+        at = 0
+        for r in mine:
+            pieces = self._pieces.get(r.index)
+            tensor = self._resolved.get(r.index)
+            if pieces is None or tensor is None:
+                return False
+            head, data, tail = pieces
+            owner = owners.get(tensor.data_ptr())
+            length = len(head) + data.nbytes + len(tail)
+            # the owner itself is moved: it must be what the item resolves to (or its base),
+            # never a view, or the item would go on reading the memory left behind
+            if (owner is None or owner._base is not None
+                    or (tensor is not owner and tensor._base is not owner)
+                    or not owner.is_contiguous() or owner.requires_grad
+                    or owner.numel() * owner.element_size() != data.nbytes
+                    or RECORD_DATA_ALIGN % owner.element_size()
+                    or length != r.storage_data.length):
+                return False
+            at += -(at + len(head)) % RECORD_DATA_ALIGN
+            moves.append((owner, at + len(head), bytes(head), bytes(tail)))
+            placed.append(replace(r, storage_data=replace(r.storage_data, offset=at)))
+            at += length
+        if not moves:
+            return False
+        self.forget_tensors()  # the pieces view the old memory, freed as the tensors move
+        del tensor, pieces, head, data, tail
+        block = mmap.mmap(-1, -(-at // DIRECT_ALIGN) * DIRECT_ALIGN)
+        flat = torch.frombuffer(block, dtype=torch.uint8)
+        ptrs = []
+        for owner, start, head, tail in moves:
+            size = owner.numel() * owner.element_size()
+            block[start - len(head):start] = head
+            block[start + size:start + size + len(tail)] = tail
+            flat[start:start + size].copy_(owner.reshape(-1).view(torch.uint8))
+            owner.set_(flat.untyped_storage(), start // owner.element_size(), owner.size(),
+                       owner.stride())
+            ptrs.append(owner.data_ptr())
+        self.images[file_name] = _Image(block, memoryview(block)[:at],
+                                        [r.index for r in mine], ptrs, placed)
+        return True
+
+
+@dataclass
+class _Image:
+    """A data file staged whole: its block, the file's bytes in it, and per record (in
+    write order) the item, where its tensor's data lies, and its write result."""
+
+    block: mmap.mmap
+    view: memoryview
+    indices: list[Any]
+    data_ptrs: list[int]
+    results: list[WriteResult]
 
 
 class _Outcome:

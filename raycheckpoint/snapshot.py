@@ -26,11 +26,12 @@ The saver knows nothing of commits: it writes files and reports them.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
@@ -45,6 +46,8 @@ from raycheckpoint.dcp_io import HashingStorageWriter
 from raycheckpoint.dcp_save import ReusingSavePlanner, save_state
 from raycheckpoint.format import asset_file, pack, rng_file
 from raycheckpoint.storage import FileEntry, StorageSpec
+
+log = logging.getLogger(__name__)
 
 
 def _signature(obj: Any, prefix: str = "") -> list[tuple]:
@@ -100,7 +103,8 @@ class _Staging:
     """
 
     def __init__(self, state: dict[str, Any], buffers: dict[str, Any]) -> None:
-        self.root = self._compile(state, buffers)
+        with torch.no_grad():  # a DTensor's to_local() is then its local tensor, not a view
+            self.root = self._compile(state, buffers)
         self.bytes = tensor_bytes(buffers)
 
     def _compile(self, src: Any, buf: Any) -> list:
@@ -119,6 +123,16 @@ class _Staging:
         if isinstance(src, torch.Tensor):
             return [_TENSOR, buf, buf, False, buf.shape, buf.dtype, None, None, 0, None]
         return [_VALUE]
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The staged tensors themselves (what the host copy writes into)."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node[0] == _TENSOR:
+                yield node[2]
+            elif node[0] in (_DICT, _SEQ):
+                stack.extend(node[2])
 
     def restage(self, state: dict[str, Any],
                 copies: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any] | None:
@@ -406,7 +420,7 @@ class ShardSaver:
         self.pending = pending
         thread = threading.Thread(
             target=self._persist, name=f"raycheckpoint-persist-{self.role}-{self.rank}",
-            args=(pending, step_dir, staged, extra, coordinator, dict(assets or {}),
+            args=(pending, kind, step_dir, staged, extra, coordinator, dict(assets or {}),
                   self._planners.setdefault(kind, ReusingSavePlanner())), daemon=True)
         pending._thread = thread
         if start:
@@ -450,7 +464,45 @@ class ShardSaver:
                                f"(the last one is {pending and pending.save_id})")
         pending.start()
 
-    def _persist(self, pending: PendingPersist, step_dir: str, staged: dict[str, Any],
+    def _stage_files_whole(self, kind: str, planner: ReusingSavePlanner, results: list) -> None:
+        """After the first save of a plan, move the staged tensors of each large data file
+        into one page-aligned block laid out as the file
+        (:meth:`~raycheckpoint.dcp_save.ReusingSavePlanner.adopt_image`): later saves
+        write it to local disk with ``O_DIRECT`` straight from the block, with no copy
+        into a bounce buffer, and hash it a block at a time.
+
+        Only for local storage written with ``O_DIRECT`` and without encryption; not with
+        pinned (CUDA) staging, which keeps one pinned buffer per tensor; and not for a
+        kind whose buffers another kind shares (a light save's model buffers are the full
+        save's): its files are written record by record, and no block is left holding
+        memory that moved on.  Runs once per plan, in the persist thread, before the next
+        snapshot may start.
+        """
+        storage = self.storage
+        if (self._planners.get(kind) is not planner or planner.tried_images or not storage.is_posix
+                or not storage.direct_io or storage.cipher is not None or self.pin_memory):
+            return
+        planner.tried_images = True
+        moved = False
+        try:
+            owners = {t.data_ptr(): t for t in self._staging[kind].tensors()}
+            shared = {id(t) for other, staging in self._staging.items() if other != kind
+                      for t in staging.tensors()}
+            if any(id(t) in shared for t in owners.values()):
+                return
+            for name in sorted({r.storage_data.relative_path for r in results}):
+                moved = planner.adopt_image(name, results, owners) or moved
+        except Exception as e:  # noqa: BLE001 - the files are written record by record then
+            log.warning("%s/%s: staging the data files whole failed (%s: %s); they are "
+                        "written record by record", self.role, self.rank, type(e).__name__, e)
+            moved = True
+            planner.forget_tensors()
+        if moved:  # what other planners resolved may have moved
+            for other in self._planners.values():
+                if other is not planner:
+                    other.forget_tensors()
+
+    def _persist(self, pending: PendingPersist, kind: str, step_dir: str, staged: dict[str, Any],
                  extra: dict[str, Any] | None, coordinator: Any, assets: dict[str, bytes],
                  planner: ReusingSavePlanner) -> None:
         t0 = time.perf_counter()
@@ -477,6 +529,8 @@ class ShardSaver:
             ray.get(coordinator.report.remote(
                 pending.save_id, self.role, self.rank, [f.to_dict() for f in files], None,
                 pending.persist_s), timeout=self.report_timeout_s)
+            if staged and planner.reused is not None:
+                self._stage_files_whole(kind, planner, writer.results)
         except BaseException as e:  # noqa: BLE001 - kept, reported and re-raised by wait()
             pending.error = e
             text = f"{describe_error(e)}\n{traceback.format_exc(limit=6)}"

@@ -24,12 +24,15 @@ hashed in a helper thread while it is written.  Instances are not
 picklable; ship a :class:`StorageSpec` to other processes and ``open()`` it there.
 
 A large file on local storage (``open_write(..., direct=True)``: the shards' data files)
-is written with ``O_DIRECT`` through two page-aligned bounce buffers, one copied into while
-the other is written (:mod:`~raycheckpoint.direct_io`),
-so its bytes go from the staging buffers to the device without passing through the page
-cache: the kernel neither copies nor caches them, and a save does not evict the node's
-page cache.  Where the filesystem refuses ``O_DIRECT``, or ``StorageSpec(direct_io=False)``,
-it is written buffered, as every other file is.
+is written with ``O_DIRECT`` (:mod:`~raycheckpoint.direct_io`): through two page-aligned
+bounce buffers, one copied into while the other is written, or straight from the
+caller's memory where it lies on page boundaries (a data file staged whole).  Its bytes
+go from the staging buffers to the device without passing through the page cache: the
+kernel neither copies nor caches them, and a save does not evict the node's page cache.
+Such a file is hashed a buffer (or a block) of :data:`~raycheckpoint.direct_io.DIRECT_CHUNK`
+at a time, in the thread that writes it, not piece by piece in a helper thread.  Where
+the filesystem refuses ``O_DIRECT``, or ``StorageSpec(direct_io=False)``, it is written
+buffered, as every other file is.
 """
 
 from __future__ import annotations
@@ -166,8 +169,8 @@ class HashingWriter:
         if storage.is_posix:
             os.makedirs(os.path.dirname(full), exist_ok=True)
             if direct and storage.direct_io and self._encryptor is None:
-                try:
-                    self._direct = DirectFile(full)
+                try:  # it hashes each bounce buffer once filled: one call per 8 MB
+                    self._direct = DirectFile(full, self._hash)
                 except OSError as e:  # this filesystem has no O_DIRECT: buffered, then
                     if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                         raise
@@ -186,7 +189,9 @@ class HashingWriter:
     def _store(self, data) -> None:
         size = memoryview(data).nbytes
         hashed = None
-        if size >= PARALLEL_HASH_BYTES:
+        if self._direct is not None:  # hashed by the DirectFile, as its buffers fill
+            pass
+        elif size >= PARALLEL_HASH_BYTES:
             if self._hasher is None:
                 self._hasher = ThreadPoolExecutor(1, thread_name_prefix="raycheckpoint-hash")
             hashed = self._hasher.submit(self._hash.update, data)
@@ -203,7 +208,7 @@ class HashingWriter:
         finally:
             if hashed is not None:
                 hashed.result()  # data is the caller's: done with it before returning
-        if hashed is None:
+        if hashed is None and self._direct is None:
             self._hash.update(data)
         self._stored += size
 
@@ -226,7 +231,7 @@ class HashingWriter:
         if self._direct is None:
             self._f.flush()  # what went through the buffered file lies before these
         hashed = None
-        if total >= PARALLEL_HASH_BYTES:
+        if self._direct is None and total >= PARALLEL_HASH_BYTES:
             if self._hasher is None:
                 self._hasher = ThreadPoolExecutor(1, thread_name_prefix="raycheckpoint-hash")
             hashed = self._hasher.submit(_update_all, self._hash, views)
@@ -241,7 +246,7 @@ class HashingWriter:
         finally:
             if hashed is not None:
                 hashed.result()  # the pieces are the caller's: done with them on return
-        if hashed is None:
+        if hashed is None and self._direct is None:
             _update_all(self._hash, views)
         self._pos += total
         self._stored += total
