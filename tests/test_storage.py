@@ -345,6 +345,46 @@ def test_direct_writes_copy_the_next_chunk_while_one_is_written(tmp_path, monkey
     assert calls[0].startswith("raycheckpoint-direct")  # the chunks were written by its thread
 
 
+def test_a_page_aligned_piece_is_written_from_its_own_memory(tmp_path, monkeypatch):
+    """A piece that starts on a page while the file so far is whole pages goes to the
+    device from the caller's memory, its whole pages in chunk-sized writes with no copy;
+    its last partial page, and what follows, through a bounce buffer.  ``write`` returns
+    once the writes from the caller's memory are over; bytes and checksum are exact."""
+    import mmap
+    import os
+
+    import numpy as np
+
+    from raycheckpoint import direct_io
+
+    if not _direct_supported(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT")
+    chunk = direct_io.DIRECT_CHUNK
+    block = mmap.mmap(-1, 3 * chunk)
+    block[:] = os.urandom(len(block))
+    start = np.frombuffer(block, dtype=np.uint8).ctypes.data
+    sources: list[str] = []
+    real_write_out = direct_io.DirectFile._write_out
+
+    def recording(self, buf, length):
+        at = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+        sources.append("caller" if start <= at < start + len(block) else "bounce")
+        return real_write_out(self, buf, length)
+
+    monkeypatch.setattr(direct_io.DirectFile, "_write_out", recording)
+    view = memoryview(block)
+    pieces = [view[:2 * chunk + 5000], view[7:4103], view[4096:3 * chunk]]
+    st = Storage(str(tmp_path))
+    with st.open_write("s/aligned.bin", direct=True) as w:
+        w.write_many(pieces[:1])
+        assert w._direct._in_flight is None and w._direct._fill == 5000 - 4096
+        w.write_many(pieces[1:])  # the file is no longer whole pages: through buffers
+    expected = b"".join(bytes(p) for p in pieces)
+    assert (tmp_path / "s" / "aligned.bin").read_bytes() == expected
+    assert w.entry.digest == digest.of(expected, "blake3") and w.entry.size == len(expected)
+    assert sources[:3] == ["caller"] * 3 and set(sources[3:]) == {"bounce"}, sources
+
+
 def test_a_failed_background_direct_write_is_raised_with_its_cause(tmp_path, monkeypatch):
     """A device write that fails in the writer thread (a full disk) fails the file's next
     write or its close with that error; the bounce buffers go back and the file is closed."""
