@@ -24,6 +24,7 @@ with the same writer, and ``.metadata`` holds equal metadata.
 
 from __future__ import annotations
 
+import io
 import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from raycheckpoint.direct_io import DIRECT_ALIGN
-from raycheckpoint.records import contiguous_owner, record_pieces
+from raycheckpoint.records import contiguous_owner, record_pieces, save_record
 
 # what a rank says in an agreement (the all-reduce takes the minimum)
 FAILED, CHANGED, SAME = 0, 1, 2
@@ -111,7 +112,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
         if image is None or len(items) != len(image.indices):
             return None
         for item, index, at in zip(items, image.indices, image.data_ptrs, strict=True):
-            if item.index != index or self.resolve_data(item).data_ptr() != at:
+            if item.index != index or (at is not None and self.resolve_data(item).data_ptr() != at):
                 return None
         return image.view, list(image.results)
 
@@ -137,17 +138,32 @@ class ReusingSavePlanner(DefaultSavePlanner):
         tensor records of this planner's pieces, or a tensor is not the whole of its owner.
         """
         mine = [r for r in results if r.storage_data.relative_path == file_name]
-        moves: list[tuple[torch.Tensor, int, bytes, bytes]] = []
+        moves: list[tuple[torch.Tensor | None, int, bytes, bytes]] = []
         placed: list[WriteResult] = []
         at = 0
         for r in mine:
             pieces = self._pieces.get(r.index)
             tensor = self._resolved.get(r.index)
-            if pieces is None or tensor is None:
+            if tensor is None:
+                return False
+            if pieces is None and tensor.numel() == 0:  # an empty shard (uneven sharding)
+                record = io.BytesIO()
+                save_record(contiguous_owner(tensor), record)
+                pieces = (record.getvalue(), memoryview(b""), b"")
+            if pieces is None:
                 return False
             head, data, tail = pieces
-            owner = owners.get(tensor.data_ptr())
             length = len(head) + data.nbytes + len(tail)
+            if not data.nbytes:  # no tensor data: the record's bytes only, anywhere
+                if length != r.storage_data.length:
+                    return False
+                placed.append(replace(r, storage_data=replace(r.storage_data, offset=at)))
+                moves.append((None, at + len(head), bytes(head), bytes(tail)))
+                at += length
+                continue
+            at += -(at + len(head)) % RECORD_DATA_ALIGN
+            placed.append(replace(r, storage_data=replace(r.storage_data, offset=at)))
+            owner = owners.get(tensor.data_ptr())
             # the owner itself is moved: it must be what the item resolves to (or its base),
             # never a view, or the item would go on reading the memory left behind
             if (owner is None or owner._base is not None
@@ -157,9 +173,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
                     or RECORD_DATA_ALIGN % owner.element_size()
                     or length != r.storage_data.length):
                 return False
-            at += -(at + len(head)) % RECORD_DATA_ALIGN
             moves.append((owner, at + len(head), bytes(head), bytes(tail)))
-            placed.append(replace(r, storage_data=replace(r.storage_data, offset=at)))
             at += length
         if not moves:
             return False
@@ -167,11 +181,14 @@ class ReusingSavePlanner(DefaultSavePlanner):
         del tensor, pieces, head, data, tail
         block = mmap.mmap(-1, -(-at // DIRECT_ALIGN) * DIRECT_ALIGN)
         flat = torch.frombuffer(block, dtype=torch.uint8)
-        ptrs = []
+        ptrs: list[int | None] = []
         for owner, start, head, tail in moves:
-            size = owner.numel() * owner.element_size()
+            size = 0 if owner is None else owner.numel() * owner.element_size()
             block[start - len(head):start] = head
             block[start + size:start + size + len(tail)] = tail
+            if owner is None:
+                ptrs.append(None)
+                continue
             flat[start:start + size].copy_(owner.reshape(-1).view(torch.uint8))
             owner.set_(flat.untyped_storage(), start // owner.element_size(), owner.size(),
                        owner.stride())
@@ -189,7 +206,7 @@ class _Image:
     block: mmap.mmap
     view: memoryview
     indices: list[Any]
-    data_ptrs: list[int]
+    data_ptrs: list[int | None]  # None: an empty tensor
     results: list[WriteResult]
 
 

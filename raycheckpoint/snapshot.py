@@ -11,7 +11,9 @@
    through :class:`~raycheckpoint.dcp_io.HashingStorageWriter` on the checkpoint process
    group, writes the rank's extra state (RNG, scheduler) as msgpack and the role's
    assets (rank 0: files such as a Hugging Face ``config.json``), and reports the
-   written files to the coordinator.
+   written files to the coordinator.  After the first save of a plan to local disk, it
+   moves the staged tensors of the rank's large data file into one block laid out as the
+   file, which later saves write as it lies (:meth:`ShardSaver._stage_files_whole`).
 3. On failure the thread keeps the exception (``PendingPersist.error``), reports it to
    the coordinator so the save aborts, and ``PendingPersist.wait()`` re-raises it.
 
