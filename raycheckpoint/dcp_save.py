@@ -132,9 +132,9 @@ class ReusingSavePlanner(DefaultSavePlanner):
 
         ``results``: the write results of the save just made with this planner;
         ``owners``: the staged tensors (what the host copy writes into) by data pointer.
-        Each is moved with ``Tensor.set_``, so every holder of the tensor sees the block.
-        The caller must then have every other planner over these tensors
-        :meth:`forget_tensors`.  Returns False, moving nothing, where the file is not all
+        Each is moved with ``Tensor.set_``, so every holder of the tensor sees the block;
+        no other planner may have resolved them (the caller moves no buffers that another
+        kind of save shares).  Returns False, moving nothing, where the file is not all
         tensor records of this planner's pieces, or a tensor is not the whole of its owner.
         """
         mine = [r for r in results if r.storage_data.relative_path == file_name]

@@ -485,24 +485,19 @@ class ShardSaver:
                 or not storage.direct_io or storage.cipher is not None or self.pin_memory):
             return
         planner.tried_images = True
-        moved = False
         try:
             owners = {t.data_ptr(): t for t in self._staging[kind].tensors()}
+            # no other kind's buffers may move: their planners resolved them
             shared = {id(t) for other, staging in self._staging.items() if other != kind
                       for t in staging.tensors()}
             if any(id(t) in shared for t in owners.values()):
                 return
             for name in sorted({r.storage_data.relative_path for r in results}):
-                moved = planner.adopt_image(name, results, owners) or moved
+                planner.adopt_image(name, results, owners)
         except Exception as e:  # noqa: BLE001 - the files are written record by record then
             log.warning("%s/%s: staging the data files whole failed (%s: %s); they are "
                         "written record by record", self.role, self.rank, type(e).__name__, e)
-            moved = True
-            planner.forget_tensors()
-        if moved:  # what other planners resolved may have moved
-            for other in self._planners.values():
-                if other is not planner:
-                    other.forget_tensors()
+            planner.forget_tensors()  # some tensors may have moved
 
     def _persist(self, pending: PendingPersist, kind: str, step_dir: str, staged: dict[str, Any],
                  extra: dict[str, Any] | None, coordinator: Any, assets: dict[str, bytes],

@@ -188,18 +188,24 @@ class HashingWriter:
 
     def _store(self, data) -> None:
         size = memoryview(data).nbytes
+        if self._direct is not None:
+            self._write_hashed(lambda: self._direct.write([memoryview(data).cast("B")]), None, size)
+        else:
+            self._write_hashed(lambda: self._f.write(data), lambda: self._hash.update(data), size)
+        self._stored += size
+
+    def _write_hashed(self, write: Callable[[], Any], hash_it: Callable[[], Any] | None,
+                      size: int) -> None:
+        """``write()``, with ``hash_it()`` (None: a DirectFile hashes its buffers as they
+        fill) run in the helper thread beside it for :data:`PARALLEL_HASH_BYTES` or more,
+        after it otherwise; both are over once this returns (the bytes are the caller's)."""
         hashed = None
-        if self._direct is not None:  # hashed by the DirectFile, as its buffers fill
-            pass
-        elif size >= PARALLEL_HASH_BYTES:
+        if hash_it is not None and size >= PARALLEL_HASH_BYTES:
             if self._hasher is None:
                 self._hasher = ThreadPoolExecutor(1, thread_name_prefix="raycheckpoint-hash")
-            hashed = self._hasher.submit(self._hash.update, data)
+            hashed = self._hasher.submit(hash_it)
         try:
-            if self._direct is not None:
-                self._direct.write([memoryview(data).cast("B")])
-            else:
-                self._f.write(data)
+            write()
         except Exception as e:
             # torch's zip writer replaces a failing write with "unexpected pos": keep the
             # real cause (a full disk, a lost connection) for whoever reports the failure
@@ -207,10 +213,9 @@ class HashingWriter:
             raise
         finally:
             if hashed is not None:
-                hashed.result()  # data is the caller's: done with it before returning
-        if hashed is None and self._direct is None:
-            self._hash.update(data)
-        self._stored += size
+                hashed.result()
+        if hash_it is not None and hashed is None:
+            hash_it()
 
     def write_many(self, pieces: list) -> int:
         """Write ``pieces`` (bytes-like) in order, as few system calls as the OS allows.
@@ -230,24 +235,11 @@ class HashingWriter:
         faults.check("storage.write", path=self.rel)
         if self._direct is None:
             self._f.flush()  # what went through the buffered file lies before these
-        hashed = None
-        if self._direct is None and total >= PARALLEL_HASH_BYTES:
-            if self._hasher is None:
-                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="raycheckpoint-hash")
-            hashed = self._hasher.submit(_update_all, self._hash, views)
-        try:
-            if self._direct is not None:
-                self._direct.write(views)
-            else:
-                _writev_all(self._f.fileno(), views)
-        except Exception as e:
-            self.error = self.error or e
-            raise
-        finally:
-            if hashed is not None:
-                hashed.result()  # the pieces are the caller's: done with them on return
-        if hashed is None and self._direct is None:
-            _update_all(self._hash, views)
+        if self._direct is not None:
+            self._write_hashed(lambda: self._direct.write(views), None, total)
+        else:
+            self._write_hashed(lambda: _writev_all(self._f.fileno(), views),
+                               lambda: _update_all(self._hash, views), total)
         self._pos += total
         self._stored += total
         return total
