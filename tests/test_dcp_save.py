@@ -313,3 +313,46 @@ def test_a_data_file_staged_whole_is_written_from_its_block_and_loads(tmp_path):
     a = torch.load(os.path.join(root, "i2-model.pt"), weights_only=True)
     b = torch.load(os.path.join(root, "i3-model.pt"), weights_only=True)
     assert not torch.equal(a["0.weight"], b["0.weight"])
+
+
+def test_the_planner_flattens_once_and_reads_the_values_afresh():
+    """The flattened state dict is built once: later saves reuse its tensors (the staged
+    buffers, the same objects at the same paths) and read every non-tensor value from the
+    state they are given; a state whose values no longer lie where they did is flattened
+    anew.  What each save would write is what DCP's own planner resolves."""
+    from torch.distributed.checkpoint import _nested_dict
+
+    def state(lr: float, note: str = "x") -> dict:
+        return {"model": {"w": w, "b": b}, "optim": {"param_groups": [{"lr": lr, "betas": (0.9, 0.99),
+                                                                     "params": ["w", "b"]}]},
+                "note": note}
+
+    w, b = torch.arange(6.0).reshape(2, 3), torch.ones(3)
+    planner = ReusingSavePlanner()
+    flattened: list[int] = []
+    real = _nested_dict.flatten_state_dict
+    _nested_dict.flatten_state_dict = _counting(real, flattened)
+    try:
+        import torch.distributed.checkpoint.default_planner as default_planner
+
+        default_planner.flatten_state_dict = _nested_dict.flatten_state_dict
+        for i, (lr, note) in enumerate([(1e-3, "x"), (5e-4, "x"), (2e-4, LONGER)]):
+            planner.set_up_planner(state(lr, note), is_coordinator=True)
+            assert len(flattened) == 1, i  # flattened once, on the first save
+            reference = DefaultSavePlanner()
+            reference.set_up_planner(state(lr, note), is_coordinator=True)
+            flattened.pop()  # the reference's own
+            assert list(planner.state_dict) == list(reference.state_dict)
+            for fqn, value in reference.state_dict.items():
+                got = planner.state_dict[fqn]
+                assert got is value if isinstance(value, torch.Tensor) else got == value, fqn
+        # the structure changed under the planner: its values moved, so it flattens anew
+        planner.set_up_planner({"model": {"w": w, "b": b}, "note": {"nested": 1}},
+                               is_coordinator=True)
+        assert len(flattened) == 2 and planner.state_dict["note.nested"] == 1
+        planner.forget_tensors()  # the staged tensors moved: the next save flattens anew
+        planner.set_up_planner(state(1e-4), is_coordinator=True)
+        assert len(flattened) == 3 and planner.state_dict["optim.param_groups.0.lr"] == 1e-4
+    finally:
+        _nested_dict.flatten_state_dict = real
+        default_planner.flatten_state_dict = real
