@@ -70,6 +70,10 @@ class ReusingSavePlanner(DefaultSavePlanner):
         # one (set_up_planner); None until a state without ShardedTensors was flattened
         self._flat: dict[str, Any] | None = None
         self._value_paths: list[tuple[str, tuple]] = []
+        # what a storage writer derives from this planner's plan and record pieces, kept for
+        # the next save (:class:`~raycheckpoint.dcp_io.HashingStorageWriter`); emptied
+        # whenever the tensors move
+        self.writer_memo: dict[Any, Any] = {}
         self.reused: _Outcome | None = None
         self.images: dict[str, _Image] = {}  # data files staged whole (adopt_image)
         self.tried_images = False  # whether the saver has tried to (once per planner)
@@ -144,6 +148,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
         self._pieces.clear()
         self.images.clear()
         self._flat = None
+        self.writer_memo.clear()
 
     def file_image(self, file_name: str, items: list[Any]) -> tuple[memoryview, list] | None:
         """``file_name``'s bytes as one page-aligned block, and the write results they give,

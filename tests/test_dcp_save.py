@@ -123,6 +123,9 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
         assert len(full_protocol) == 1
         ours("s2")                        # agreed: no plan exchange, the same .metadata bytes
         assert len(full_protocol) == 1
+        # the file was written from its laid-out records (checked against torch's below)
+        layouts = [v[1] for k, v in planner.writer_memo.items() if k[0] == "layout"]
+        assert layouts and all(layout is not None for layout in layouts)
         torchs("t2")
         net(torch.randn(4, 16)).sum().backward()
         optim.step()                      # new values, same structure
@@ -356,3 +359,42 @@ def test_the_planner_flattens_once_and_reads_the_values_afresh():
     finally:
         _nested_dict.flatten_state_dict = real
         default_planner.flatten_state_dict = real
+
+
+def test_laid_out_records_write_what_torch_writes(tmp_path, monkeypatch):
+    """A data file written from its cached layout (runs of small records copied into one
+    piece, large records' pieces as they are, non-tensor records made anew) holds the
+    bytes torch's own writer gives, in one process, over saves whose values change and
+    whose non-tensor record grows; torch's reader loads each save back."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from raycheckpoint import dcp_io
+
+    monkeypatch.setattr(dcp_io, "JOIN_RUN_BYTES", 3000)  # several runs of small records
+    big, small = torch.randn(64, 512), [torch.randn(8, 8) for _ in range(12)]
+
+    def state(note: str) -> dict:
+        return {"big": big, "small": {str(i): t for i, t in enumerate(small)}, "note": note,
+                "lr": 1e-3}
+
+    storage = Storage(str(tmp_path))
+    planner = ReusingSavePlanner()
+    for i, note in enumerate(["x", "y", LONGER, LONGER + "!"]):
+        with torch.no_grad():
+            big.add_(1.0)
+            for t in small:
+                t.mul_(2.0)
+        save_state(state(note), HashingStorageWriter(storage, f"s{i}"), planner)
+        dcp.save(state(note), storage_writer=HashingStorageWriter(storage, f"t{i}"),
+                   planner=DefaultSavePlanner(), no_dist=True)
+        ours, theirs = _files(str(tmp_path), f"s{i}"), _files(str(tmp_path), f"t{i}")
+        assert ours == theirs, (i, [n for n in ours if ours[n] != theirs.get(n)])
+        got = {"big": torch.zeros_like(big), "small": {str(k): torch.zeros(8, 8) for k in range(12)},
+               "note": "", "lr": 0.0}
+        dcp.load(got, storage_reader=FileSystemReader(str(tmp_path / f"s{i}")), no_dist=True)
+        assert torch.equal(got["big"], big) and got["note"] == note
+        assert all(torch.equal(got["small"][str(k)], t) for k, t in enumerate(small))
+    (layout,) = [v[1] for k, v in planner.writer_memo.items() if k[0] == "layout"]
+    hows = [how for how, _ in layout.segments]
+    assert hows.count(dcp_io._AS_IS) == 1 and hows.count(dcp_io._FRESH) == 2
+    assert hows.count(dcp_io._JOINED) >= 2
