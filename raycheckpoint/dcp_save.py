@@ -293,12 +293,15 @@ def _raise_failed(what: str, error: BaseException | None, group: Any) -> None:
 
 
 def save_state(state: dict[str, Any], writer: Any, planner: ReusingSavePlanner,
-               process_group: Any = None) -> None:
+               process_group: Any = None, *, failed: BaseException | None = None) -> None:
     """``dcp.save(state, storage_writer=writer, planner=planner, process_group=...)``,
     with the plans and metadata of the previous save reused where every rank agrees.
 
     ``writer`` is a :class:`~raycheckpoint.dcp_io.HashingStorageWriter`.  Every rank of
     the group calls this for the same save; an error on any rank raises on every rank.
+    ``failed``: this rank cannot save (its state could not be staged, or its host copy
+    failed): it takes part in the first agreement only, so that every rank fails the
+    save at once instead of waiting for this one, and ``failed`` is raised here.
     """
     group = process_group
     if group is None and dist.is_available() and dist.is_initialized():
@@ -306,6 +309,8 @@ def save_state(state: dict[str, Any], writer: Any, planner: ReusingSavePlanner,
     coordinator = group is None or dist.get_rank(group) == 0
     ready, error = SAME, None
     try:
+        if failed is not None:
+            raise failed
         writer.reset()
         planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(),
                                is_coordinator=coordinator)

@@ -344,6 +344,10 @@ class CheckpointManager:
             snaps = _get(snap_refs, wait_s + rpc)
         except BaseException as e:
             self._coordinator.abort.remote(save_id, f"snapshot failed: {type(e).__name__}: {e}")
+            # the ranks that staged persist too, and meet the failed rank's refusal in their
+            # first agreement: they end at once, not when the next save finds them waiting
+            for w in writers:
+                w.ckpt_start_persist.remote(save_id, if_staged=True)
             raise CheckpointSaveError(f"snapshot for {name} failed: {type(e).__name__}: {e}",
                                       failures={"snapshot": repr(e)}) from e
         # every rank answered before any persist thread competes for its GIL; sent from

@@ -15,7 +15,10 @@
    moves the staged tensors of the rank's large data file into one block laid out as the
    file, which later saves write as it lies (:meth:`ShardSaver._stage_files_whole`).
 3. On failure the thread keeps the exception (``PendingPersist.error``), reports it to
-   the coordinator so the save aborts, and ``PendingPersist.wait()`` re-raises it.
+   the coordinator so the save aborts, and ``PendingPersist.wait()`` re-raises it.  A
+   failure on one rank fails the save on every rank of the group in their first
+   agreement; a rank that could not even stage its state takes part in it through
+   :meth:`ShardSaver.refuse`.
 
 With ``overlap=True`` (``checkpoint.overlap_copy``) step 1 only builds the copy list:
 the host copy itself runs in a thread of its own while training goes on, and
@@ -108,6 +111,7 @@ class _Staging:
         with torch.no_grad():  # a DTensor's to_local() is then its local tensor, not a view
             self.root = self._compile(state, buffers)
         self.bytes = tensor_bytes(buffers)
+        self.empty = not state  # nothing to save in DCP's format (extra state only)
 
     def _compile(self, src: Any, buf: Any) -> list:
         if isinstance(src, dict):
@@ -385,29 +389,37 @@ class ShardSaver:
                  named: Callable[[], tuple[str, str] | None] | None = None) -> dict[str, Any]:
         """Stage ``state`` and set up its persist; ``start=False`` defers the persist's start.
 
-        Deferring lets the caller answer its RPC before the persist thread (DCP planning is
-        Python, holding the GIL in turns) competes with it: ``start_persist`` then starts it.
-        With ``overlap`` the tensors are copied by a thread started here, and the caller
-        must call :meth:`wait_copied` before anything changes them (the optimizer step).
+        Deferring lets the caller answer its RPC before the persist thread competes with it
+        (and with the other ranks' copies): ``start_persist`` then starts it.  With
+        ``overlap`` the tensors are copied by a thread started here, and the caller must
+        call :meth:`wait_copied` before anything changes them (the optimizer step).
 
         ``named``: the save is not named yet (``save_id`` and ``step_dir`` are ignored).
         It is called once the copy is made (with ``overlap``, once it has started) and
         returns ``(save_id, step_dir)``, or None when this rank is not to write this save:
         nothing is persisted then and the answer has ``"dropped": True``.  If it raises,
-        the error is raised once the copy is over.
+        the error is raised once the copy is over.  If staging fails, the save is refused
+        (:meth:`refuse`) and the error raised.
         """
         t0 = time.perf_counter()
         self.wait_previous(wait_timeout_s)
         pending = PendingPersist(save_id)
-        if overlap:
-            staged, copies, ready = self._plan_stage(kind, state)
-            threading.Thread(target=self._copy_beside_training, args=(pending, copies, ready),
-                             daemon=True, name=f"raycheckpoint-copy-{self.role}-{self.rank}").start()
-        else:
-            t_copy = time.perf_counter()
-            staged = self._stage(kind, state)
-            pending.copy_s = time.perf_counter() - t_copy
-            pending.copied.set()
+        try:
+            faults.check("worker.snapshot", path=f"{self.role}/{self.rank}")
+            if overlap:
+                staged, copies, ready = self._plan_stage(kind, state)
+                threading.Thread(target=self._copy_beside_training, args=(pending, copies, ready),
+                                 daemon=True,
+                                 name=f"raycheckpoint-copy-{self.role}-{self.rank}").start()
+            else:
+                t_copy = time.perf_counter()
+                staged = self._stage(kind, state)
+                pending.copy_s = time.perf_counter() - t_copy
+                pending.copied.set()
+        except BaseException as e:
+            self.refuse(kind, e, save_id=save_id, step_dir=step_dir, coordinator=coordinator,
+                        named=named)
+            raise
         if named is not None:
             try:
                 got = named()
@@ -419,15 +431,54 @@ class ShardSaver:
                 return {"stall_s": time.perf_counter() - t0, "bytes": 0, "dropped": True}
             pending.save_id, step_dir = got
         stall_s = time.perf_counter() - t0
+        self._set_up_persist(pending, kind, step_dir, staged, extra, coordinator,
+                             dict(assets or {}), start=start)
+        return {"stall_s": stall_s, "bytes": self._staging[kind].bytes}
+
+    def _set_up_persist(self, pending: PendingPersist, kind: str, step_dir: str,
+                        staged: dict[str, Any], extra: dict[str, Any] | None, coordinator: Any,
+                        assets: dict[str, bytes], *, start: bool,
+                        failed: BaseException | None = None,
+                        writes_tensors: bool | None = None) -> None:
         self.pending = pending
-        thread = threading.Thread(
+        pending._thread = threading.Thread(
             target=self._persist, name=f"raycheckpoint-persist-{self.role}-{self.rank}",
-            args=(pending, kind, step_dir, staged, extra, coordinator, dict(assets or {}),
-                  self._planners.setdefault(kind, ReusingSavePlanner())), daemon=True)
-        pending._thread = thread
+            args=(pending, kind, step_dir, staged, extra, coordinator, assets,
+                  self._planners.setdefault(kind, ReusingSavePlanner()), failed,
+                  bool(staged) if writes_tensors is None else writes_tensors), daemon=True)
         if start:
             pending.start()
-        return {"stall_s": stall_s, "bytes": self._staging[kind].bytes}
+
+    def refuse(self, kind: str, error: BaseException, *, save_id: str, step_dir: str,
+               coordinator: Any, named: Callable[[], tuple[str, str] | None] | None = None
+               ) -> None:
+        """This rank could not stage its state for the save: fail it on every rank at once.
+
+        Its peers that staged are persisting, and wait for this rank in their first
+        agreement (:func:`~raycheckpoint.dcp_save.save_state`): without an answer they
+        would wait out the process group's timeout, and hold up the next save as long.
+        A persist is started here that gives that agreement ``error`` and reports it to
+        ``coordinator``.  Nothing is started where the save is not this rank's to write
+        (``named`` answers None, or raises).  Call after :meth:`wait_previous`.
+        """
+        if named is not None:
+            try:
+                got = named()
+            except Exception:  # the save was never named: no peer persists it
+                log.debug("%s/%s: a refused save was never named", self.role, self.rank,
+                          exc_info=True)
+                return
+            if got is None:
+                return
+            save_id, step_dir = got
+        pending = PendingPersist(save_id)
+        pending.copied.set()
+        staging = self._staging.get(kind)
+        # whether the peers meet in an agreement: they do where the state holds anything
+        # (a role with none saves its extra state only); before a first staging, assume so
+        writes_tensors = True if staging is None else not staging.empty
+        self._set_up_persist(pending, kind, step_dir, {}, None, coordinator, {}, start=True,
+                             failed=error, writes_tensors=writes_tensors)
 
     def _copy_beside_training(self, pending: PendingPersist,
                               copies: list[tuple[torch.Tensor, torch.Tensor]], ready: Any) -> None:
@@ -459,9 +510,11 @@ class ShardSaver:
         self.copy_wait_s += waited
         return waited
 
-    def start_persist(self, save_id: str) -> None:
+    def start_persist(self, save_id: str, *, if_staged: bool = False) -> None:
         pending = self.pending
         if pending is None or pending.save_id != save_id:
+            if if_staged:
+                return
             raise RuntimeError(f"{self.role}/{self.rank}: no staged save {save_id} to persist "
                                f"(the last one is {pending and pending.save_id})")
         pending.start()
@@ -501,19 +554,27 @@ class ShardSaver:
 
     def _persist(self, pending: PendingPersist, kind: str, step_dir: str, staged: dict[str, Any],
                  extra: dict[str, Any] | None, coordinator: Any, assets: dict[str, bytes],
-                 planner: ReusingSavePlanner) -> None:
+                 planner: ReusingSavePlanner, failed: BaseException | None,
+                 writes_tensors: bool) -> None:
         t0 = time.perf_counter()
         _lower_priority(self.persist_nice)
         try:
-            pending.copied.wait()  # set by the copy thread whatever happens to it
-            if pending.copy_error is not None:
-                raise pending.copy_error
-            faults.check("worker.persist", path=f"{self.role}/{self.rank}")
+            try:
+                pending.copied.wait()  # set by the copy thread whatever happens to it
+                if pending.copy_error is not None:
+                    raise pending.copy_error
+                faults.check("worker.persist", path=f"{self.role}/{self.rank}")
+            except BaseException as e:  # noqa: BLE001 - the peers learn it in the agreement
+                if failed is None:
+                    failed = e
             files = []
-            if staged:  # a role without tensors (rollout) saves its extra state only
+            if writes_tensors:  # a role without tensors (rollout) saves its extra state only
                 writer = HashingStorageWriter(self.storage, f"{step_dir}/{self.role}")
-                save_state(staged, writer, planner, self.process_group)
+                # raises on every rank of the group if any rank failed
+                save_state(staged, writer, planner, self.process_group, failed=failed)
                 files = list(writer.written)
+            elif failed is not None:
+                raise failed
             if extra is not None:
                 files.append(self.storage.write_bytes(
                     f"{step_dir}/{rng_file(self.role, self.rank)}", pack(extra), encrypt=True))
@@ -526,7 +587,7 @@ class ShardSaver:
             ray.get(coordinator.report.remote(
                 pending.save_id, self.role, self.rank, [f.to_dict() for f in files], None,
                 pending.persist_s), timeout=self.report_timeout_s)
-            if staged and planner.reused is not None:
+            if writes_tensors and planner.reused is not None:
                 self._stage_files_whole(kind, planner, writer.results)
         except BaseException as e:  # noqa: BLE001 - kept, reported and re-raised by wait()
             pending.error = e

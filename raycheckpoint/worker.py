@@ -22,7 +22,9 @@ Call order: ``ckpt_setup`` once, then per save ``ckpt_snapshot_begun`` (returns 
 the host copy; a trainable role's copy runs while the coordinator's ``begin`` does) and
 ``ckpt_start_persist`` (sent once every rank has answered, so no rank's answer waits
 behind its persist thread), and per resume ``ckpt_load``.  ``ckpt_snapshot`` stages for
-a save already named, for callers driving the protocol themselves.
+a save already named, for callers driving the protocol themselves.  A rank whose state
+cannot be staged refuses the save (its persist takes part in the ranks' first agreement
+with the error), so that the ranks persisting it fail at once instead of waiting for it.
 
 Overlapped copy (``checkpoint.overlap_copy``): a worker that calls
 ``self.ckpt_guard(optimizer)`` lets ``ckpt_snapshot`` return before its host copy is
@@ -146,7 +148,7 @@ class CheckpointableWorker:
                       wait_timeout_s: float = 1800.0, defer_persist: bool = False,
                       overlap: bool = False) -> dict[str, Any]:
         """Stage this rank's state; the persist starts now, or with ``defer_persist`` on
-        ``ckpt_start_persist`` (so this call's answer does not wait behind it).
+        ``ckpt_start_persist``.
         ``coordinator``: where the persist reports; None for the one from ``ckpt_setup``.
 
         ``overlap``: on a worker with a guarded optimizer (:meth:`ckpt_guard`), return
@@ -201,12 +203,17 @@ class CheckpointableWorker:
         if coordinator is None:
             coordinator = self._ckpt_coordinator
         saver.wait_previous(wait_timeout_s)  # the host buffers are reused: never overwrite a
-        with torch.no_grad():                # copy that is still being written
-            state = self.ckpt_state_dict(kind)
-        extra = None
-        if kind == "full":
-            extra = {"rng": capture_rng(), "state": self.ckpt_extra_state()}
-        assets = self.ckpt_assets() if self.ckpt_rank == 0 else None
+        try:                                 # copy that is still being written
+            with torch.no_grad():
+                state = self.ckpt_state_dict(kind)
+            extra = None
+            if kind == "full":
+                extra = {"rng": capture_rng(), "state": self.ckpt_extra_state()}
+            assets = self.ckpt_assets() if self.ckpt_rank == 0 else None
+        except BaseException as e:  # the peers persisting this save must not wait for it
+            saver.refuse(kind, e, save_id=save_id, step_dir=step_dir, coordinator=coordinator,
+                         named=named)
+            raise
         overlap = overlap and bool(self._ckpt_guards)
         out = saver.snapshot(save_id=save_id, step_dir=step_dir, kind=kind, state=state,
                              extra=extra, coordinator=coordinator, wait_timeout_s=wait_timeout_s,
@@ -216,8 +223,10 @@ class CheckpointableWorker:
         out["stall_s"] = time.perf_counter() - t0  # with building the state dict
         return out
 
-    def ckpt_start_persist(self, save_id: str) -> None:
-        self._saver().start_persist(save_id)
+    def ckpt_start_persist(self, save_id: str, if_staged: bool = False) -> None:
+        """Start the persist of staged save ``save_id``; ``if_staged``: where this rank
+        staged none (its snapshot failed or dropped the save), do nothing."""
+        self._saver().start_persist(save_id, if_staged=if_staged)
 
     def ckpt_wait(self, timeout: float = 1800.0) -> list[dict[str, Any]]:
         """Wait for this worker's last persist; re-raise its error if it failed."""
