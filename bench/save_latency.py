@@ -33,7 +33,10 @@ import json
 import os
 import re
 import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -87,6 +90,44 @@ def _spread(values: list[float]) -> list[float] | None:
 # ---- storage ---------------------------------------------------------------------------------
 
 
+class MotoProcess:
+    """moto's S3 server in a process of its own, on 127.0.0.1, as an S3 endpoint would be.
+
+    Run as threads of the benchmark's driver (``ThreadedMotoServer``), every request it
+    served took the driver's GIL: the driver, which times the saves and dispatches the
+    training steps, then waited behind the uploads it was measuring.
+    """
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        from workers.group import free_port
+
+        port = free_port()
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                                       "-p", str(port)], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                    return
+            except OSError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"moto's S3 server did not start on port {port} "
+                                       f"(exit code {self._proc.returncode})") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=10)
+
+
 class BenchStorage:
     """The storage a run writes to: a directory, any fsspec URI, or ``moto://`` (a local S3)."""
 
@@ -98,12 +139,8 @@ class BenchStorage:
             self._tmp = tempfile.mkdtemp(prefix="rc-bench-")
             uri = self._tmp
         elif uri.startswith("moto://"):
-            from moto.server import ThreadedMotoServer
-
-            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-            self._server.start()
-            host, port = self._server.get_host_and_port()
-            self.options = {"endpoint_url": f"http://{host}:{port}", "key": "bench",
+            self._server = MotoProcess()
+            self.options = {"endpoint_url": self._server.endpoint, "key": "bench",
                             "secret": "bench", **self.options}
             os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
             fs = fsspec.filesystem("s3", **self.options)
@@ -133,6 +170,7 @@ class BenchStorage:
             shutil.rmtree(self._tmp, ignore_errors=True)
         if self._server is not None:
             self._server.stop()
+            self._server = None
 
 
 # ---- one point -------------------------------------------------------------------------------
