@@ -4,7 +4,8 @@
 
 1. ``snapshot()`` waits (bounded) for the previous persist of this worker, then copies
    the state dict into host buffers allocated on first use (or ahead of time by
-   ``prepare()``) and reused afterwards (pinned when CUDA is present).
+   ``prepare()``) and reused afterwards (pinned when CUDA is present), in one walk
+   (:mod:`raycheckpoint._internal.staging`).
    **This copy is the only time training is blocked.**
 2. A background thread saves the staged copy in torch DCP's format
    (:func:`~raycheckpoint.dcp_save.save_state`: DCP's protocol, its plans agreed once)
@@ -30,13 +31,12 @@ The saver knows nothing of commits: it writes files and reports them.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -44,176 +44,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from raycheckpoint._internal import faults
+from raycheckpoint._internal.staging import Staging, signature, tensor_bytes, touch
 from raycheckpoint.dcp_io import HashingStorageWriter
 from raycheckpoint.dcp_save import ReusingSavePlanner, save_state
 from raycheckpoint.format import asset_file, pack, rng_file
 from raycheckpoint.storage import FileEntry, StorageSpec
 
 log = logging.getLogger(__name__)
-
-
-def _signature(obj: Any, prefix: str = "") -> list[tuple]:
-    """Structure of a state dict: the buffers can be reused while it is unchanged."""
-    if isinstance(obj, dict):
-        out: list[tuple] = []
-        for k in sorted(obj, key=str):
-            out.extend(_signature(obj[k], f"{prefix}/{k}"))
-        return out
-    if isinstance(obj, (list, tuple)):
-        out = []
-        for i, v in enumerate(obj):
-            out.extend(_signature(v, f"{prefix}/{i}"))
-        return out
-    if isinstance(obj, DTensor):
-        return [(prefix, "dt", tuple(obj.to_local().shape), obj.dtype, tuple(obj.placements))]
-    if isinstance(obj, torch.Tensor):
-        return [(prefix, "t", tuple(obj.shape), obj.dtype)]
-    return [(prefix, type(obj).__name__)]
-
-
-# immutable leaves: staged as they are (anything else is deep-copied)
-_ATOMIC = frozenset((str, int, float, bool, type(None), bytes))
-_DICT, _SEQ, _VALUES, _TENSOR, _VALUE = range(5)
-
-
-class _Changed(Exception):
-    """The state no longer has the structure a :class:`_Staging` was built for."""
-
-
-def _value(src: Any) -> Any:
-    if type(src) in _ATOMIC:
-        return src
-    if isinstance(src, (torch.Tensor, dict, list, tuple)):
-        raise _Changed
-    return copy.deepcopy(src)
-
-
-class _Staging:
-    """How one state structure is staged into its host buffers: built once, walked each save.
-
-    Building a :func:`_signature` (a tuple and a path string per leaf) to check the
-    structure, then walking again to build the staged tree, cost several milliseconds of
-    training's blocked time at 800 tensors.  This keeps the structure instead, one node per container
-    and leaf, each tensor's node with its buffer, shape, dtype and placements and the
-    detached view last copied from.  :meth:`restage` is one walk: every container must
-    have the same keys (or length), every tensor the same shape, dtype and placements,
-    and no leaf may turn into a tensor or container; otherwise it raises
-    :class:`_Changed` and the saver builds anew.  A tensor replaced by another of the
-    same layout (a loaded optimizer state) is staged into the same buffer, its view
-    taken afresh; the view is reused only for the same tensor object over the same
-    memory.  Until then a node keeps the last source tensor alive.
-    """
-
-    def __init__(self, state: dict[str, Any], buffers: dict[str, Any]) -> None:
-        with torch.no_grad():  # a DTensor's to_local() is then its local tensor, not a view
-            self.root = self._compile(state, buffers)
-        self.bytes = tensor_bytes(buffers)
-        self.empty = not state  # nothing to save in DCP's format (extra state only)
-
-    def _compile(self, src: Any, buf: Any) -> list:
-        if isinstance(src, dict):
-            keys = tuple(src)
-            return [_DICT, keys, [self._compile(src[k], buf[k]) for k in keys]]
-        if isinstance(src, (list, tuple)):
-            children = [self._compile(v, b) for v, b in zip(src, buf, strict=True)]
-            if all(c[0] == _VALUE for c in children):
-                return [_VALUES, type(src), len(children)]
-            return [_SEQ, type(src), children]
-        if isinstance(src, DTensor):
-            local = buf.to_local()
-            return [_TENSOR, buf, local, True, local.shape, local.dtype, src.placements,
-                    None, 0, None]
-        if isinstance(src, torch.Tensor):
-            return [_TENSOR, buf, buf, False, buf.shape, buf.dtype, None, None, 0, None]
-        return [_VALUE]
-
-    def tensors(self) -> Iterator[torch.Tensor]:
-        """The staged tensors themselves (what the host copy writes into)."""
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            if node[0] == _TENSOR:
-                yield node[2]
-            elif node[0] in (_DICT, _SEQ):
-                stack.extend(node[2])
-
-    def restage(self, state: dict[str, Any],
-                copies: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any] | None:
-        """``state``'s structure over the buffers, its tensor copies appended to ``copies``
-        as (destination, source) pairs, for :meth:`ShardSaver._copy` to make now or beside
-        training; None where the structure changed.  Non-tensor leaves (learning rates,
-        step counters) change between saves too: they are taken anew, never from an
-        earlier save."""
-        try:
-            return self._restage(state, self.root, copies)
-        except (_Changed, KeyError):
-            copies.clear()
-            return None
-
-    def _restage(self, src: Any, node: list, copies: list) -> Any:
-        tag = node[0]
-        if tag == _TENSOR:
-            if node[3]:
-                if not isinstance(src, DTensor):
-                    raise _Changed
-                placements = src.placements
-                if placements is not node[6] and placements != node[6]:
-                    raise _Changed
-                local = src.to_local()
-            elif isinstance(src, torch.Tensor) and not isinstance(src, DTensor):
-                local = src
-            else:
-                raise _Changed
-            if local.shape != node[4] or local.dtype != node[5]:
-                raise _Changed
-            if local is not node[7] or local.data_ptr() != node[8]:
-                node[7], node[8], node[9] = local, local.data_ptr(), local.detach()
-            copies.append((node[2], node[9]))
-            return node[1]
-        if tag == _DICT:
-            keys, children = node[1], node[2]
-            if not isinstance(src, dict) or len(src) != len(keys):
-                raise _Changed
-            return {k: self._restage(src[k], c, copies) for k, c in zip(keys, children, strict=True)}
-        if tag == _VALUES:
-            if type(src) is not node[1] or len(src) != node[2]:
-                raise _Changed
-            if all(type(v) in _ATOMIC for v in src):
-                return node[1](src)
-            return node[1](_value(v) for v in src)
-        if tag == _SEQ:
-            if type(src) is not node[1] or len(src) != len(node[2]):
-                raise _Changed
-            return node[1](self._restage(v, c, copies) for v, c in zip(src, node[2], strict=True))
-        return _value(src)
-
-
-def _touch(obj: Any) -> None:
-    if isinstance(obj, dict):
-        for v in obj.values():
-            _touch(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _touch(v)
-    elif isinstance(obj, DTensor):
-        obj.to_local().zero_()
-    elif isinstance(obj, torch.Tensor):
-        obj.zero_()
-
-
-def tensor_bytes(obj: Any) -> int:
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
-    if isinstance(obj, DTensor):
-        obj = obj.to_local()
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    return 0
 
 
 def describe_error(e: BaseException) -> str:
@@ -294,7 +133,7 @@ class ShardSaver:
         self.persist_nice = persist_nice
         self.pin_memory = torch.cuda.is_available()
         self._buffers: dict[str, tuple[list[tuple], dict[str, Any]]] = {}
-        self._staging: dict[str, _Staging] = {}
+        self._staging: dict[str, Staging] = {}
         self._planners: dict[str, ReusingSavePlanner] = {}
         self.pending: PendingPersist | None = None
         self._copy_stream: Any = None
@@ -302,14 +141,14 @@ class ShardSaver:
 
     def _buffers_for(self, kind: str, state: dict[str, Any]) -> dict[str, Any]:
         """The host buffers for ``state``'s structure, allocated on first use."""
-        sig = _signature(state)
+        sig = signature(state)
         cached = self._buffers.get(kind)
         if cached is not None and cached[0] == sig:
             return cached[1]
         buffers = None
         for _, other in self._buffers.values():  # light = the model part of full: share it
             if set(state) <= set(other) and all(
-                    _signature({k: state[k]}) == _signature({k: other[k]}) for k in state):
+                    signature({k: state[k]}) == signature({k: other[k]}) for k in state):
                 buffers = {k: other[k] for k in state}
                 break
         if buffers is None:
@@ -327,7 +166,7 @@ class ShardSaver:
         """
         with torch.no_grad():
             buffers = self._buffers_for(kind, state)
-            _touch(buffers)
+            touch(buffers)
             return tensor_bytes(buffers)
 
     def _plan_stage(self, kind: str, state: dict[str, Any]) -> tuple[dict[str, Any], list, Any]:
@@ -337,7 +176,7 @@ class ShardSaver:
         staging = self._staging.get(kind)
         staged = None if staging is None else staging.restage(state, copies)
         if staged is None:  # first save of this kind, or the structure changed
-            staging = _Staging(state, self._buffers_for(kind, state))
+            staging = Staging(state, self._buffers_for(kind, state))
             staged = staging.restage(state, copies)
             if staged is None:
                 raise RuntimeError(f"{self.role}/{self.rank}: the state changed while staged")
@@ -432,20 +271,22 @@ class ShardSaver:
             pending.save_id, step_dir = got
         stall_s = time.perf_counter() - t0
         self._set_up_persist(pending, kind, step_dir, staged, extra, coordinator,
-                             dict(assets or {}), start=start)
+                             dict(assets or {}), start=start, writes_tensors=bool(staged))
         return {"stall_s": stall_s, "bytes": self._staging[kind].bytes}
 
     def _set_up_persist(self, pending: PendingPersist, kind: str, step_dir: str,
                         staged: dict[str, Any], extra: dict[str, Any] | None, coordinator: Any,
-                        assets: dict[str, bytes], *, start: bool,
-                        failed: BaseException | None = None,
-                        writes_tensors: bool | None = None) -> None:
+                        assets: dict[str, bytes], *, start: bool, writes_tensors: bool,
+                        failed: BaseException | None = None) -> None:
+        """Make ``pending`` this saver's persist (its thread started now, or deferred);
+        ``writes_tensors``: whether it takes part in DCP's save (a role with no state
+        saves its extra state only)."""
         self.pending = pending
         pending._thread = threading.Thread(
             target=self._persist, name=f"raycheckpoint-persist-{self.role}-{self.rank}",
             args=(pending, kind, step_dir, staged, extra, coordinator, assets,
                   self._planners.setdefault(kind, ReusingSavePlanner()), failed,
-                  bool(staged) if writes_tensors is None else writes_tensors), daemon=True)
+                  writes_tensors), daemon=True)
         if start:
             pending.start()
 

@@ -1,7 +1,7 @@
 """Staging a snapshot: one walk over the state into the reused host buffers.
 
 A saver stages each save with one walk against the structure it saw last
-(``snapshot._Staging``); any difference in structure, shape, dtype or leaf kind must
+(``raycheckpoint._internal.staging.Staging``); any difference in structure, shape, dtype or leaf kind must
 make it build anew, and a tensor replaced by another of the same layout must be copied
 from its own memory, never from the memory of the tensor it replaced.  DTensor
 placements are checked on real FSDP2 ranks in ``test_dcp_save.py``.
@@ -64,14 +64,14 @@ def saver(tmp_path):
 def signatures(monkeypatch):
     """How many times a saver walked a state for its signature (= built its staging)."""
     calls = []
-    real = snapshot._signature
+    real = snapshot.signature
 
     def counted(obj, prefix=""):
         if not prefix:
             calls.append(1)
         return real(obj, prefix)
 
-    monkeypatch.setattr(snapshot, "_signature", counted)
+    monkeypatch.setattr(snapshot, "signature", counted)
     return calls
 
 
