@@ -66,6 +66,41 @@ def manager(root: str, groups: dict[str, list[Any]], options: dict | None = None
     return CheckpointManager(cfg, groups, **kwargs)
 
 
+def a_failed_save_then_a_whole_one(m: CheckpointManager, group: list[Any], root: str,
+                                   point: str, match: str, beside: Any = None) -> None:
+    """Save step 1; with ``point`` raising on rank 1, save step 2 (calling ``beside()``
+    while it runs), which must fail with an error matching ``match`` within 30 s; then
+    step 3 must commit within 30 s, and step 2 is never committed."""
+    import time
+
+    import pytest
+
+    from raycheckpoint import CheckpointSaveError, Storage
+    from raycheckpoint.format import COMMITTED, LATEST
+
+    m.update(step=1)
+    m.save_checkpoint().wait(120)
+    arm(group, point, "raise", ranks=[1])
+    try:
+        m.update(step=2)
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointSaveError, match=match):
+            handle = m.save_checkpoint()
+            if beside is not None:
+                beside()
+            handle.wait(120)
+        assert time.monotonic() - t0 < 30, "the failed save waited for a timeout"
+    finally:
+        disarm(group)
+    m.update(step=3)
+    t0 = time.monotonic()
+    assert m.save_checkpoint().wait(120)["name"] == "step_00000003"
+    assert time.monotonic() - t0 < 30, "the next save waited for the failed one's peer"
+    st = Storage(root)
+    assert not st.exists(f"step_00000002/{COMMITTED}")
+    assert st.read_bytes(LATEST).decode().strip() == "step_00000003"
+
+
 def arm(group: list[Any], point: str, action: str = "raise", ranks=None) -> None:
     targets = group if ranks is None else [group[r] for r in ranks]
     ray.get([w.arm_fault.remote(point, action) for w in targets], timeout=RPC_TIMEOUT)

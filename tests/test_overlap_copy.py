@@ -20,6 +20,7 @@ from raycheckpoint.worker import CheckpointableWorker
 from tests.helpers import (
     RPC_TIMEOUT,
     TinyWorker,
+    a_failed_save_then_a_whole_one,
     arm,
     assert_same,
     disarm,
@@ -128,29 +129,10 @@ def test_an_overlapped_copy_failing_on_one_rank_fails_the_save_at_once(group2, l
     """One rank's host copy fails beside training: the save fails on every rank of the
     role in their first agreement, without waiting out a timeout, and the next save
     commits at once."""
-    from raycheckpoint import CheckpointSaveError
-    from raycheckpoint.format import COMMITTED
-    from raycheckpoint.storage import Storage
-
     m = manager(local_root, {"actor": group2}, config={"overlap_copy": True})
     try:
-        m.update(step=1)
-        m.save_checkpoint().wait(120)
-        arm(group2, "worker.copy", "raise", ranks=[1])
-        try:
-            m.update(step=2)
-            t0 = time.perf_counter()
-            handle = m.save_checkpoint()
-            train(group2, [2])
-            with pytest.raises(CheckpointSaveError, match=r"injected fault at worker\.copy"):
-                handle.wait(120)
-            assert time.perf_counter() - t0 < 30
-        finally:
-            disarm(group2)
-        m.update(step=3)
-        t0 = time.perf_counter()
-        assert m.save_checkpoint().wait(120)["name"] == "step_00000003"
-        assert time.perf_counter() - t0 < 30
-        assert not Storage(local_root).exists(f"step_00000002/{COMMITTED}")
+        a_failed_save_then_a_whole_one(m, group2, local_root, "worker.copy",
+                                       r"injected fault at worker\.copy",
+                                       beside=lambda: train(group2, [2]))
     finally:
         m.close(60)
