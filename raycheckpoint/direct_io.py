@@ -9,6 +9,7 @@ import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -22,6 +23,8 @@ DIRECT_CHUNK = 8 << 20
 # pieces at least this large are copied into the bounce buffer by numpy, which releases
 # the GIL while it copies (a memoryview assignment holds it)
 _GIL_FREE_COPY_BYTES = 64 << 10
+# chunks of a block hashed per chunk written, once its copy is over (write_as_filled)
+_CATCH_UP_CHUNKS = 2
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux (and a few others)
 
@@ -147,6 +150,59 @@ class DirectFile:
                 _give_bounce(spare)
             self._in_flight = (self._writer.submit(self._write_out, piece, piece.nbytes), None)
         return whole
+
+    def write_as_filled(self, view: memoryview, filled: Callable[[int], None],
+                        may_hash: Callable[[bool], bool]) -> None:
+        """Write ``view``, a page-aligned block that a host copy is filling front to back
+        while this runs, as its bytes become final: the file's write overlaps the copy.
+
+        ``filled(n)`` blocks until ``view``'s first ``n`` bytes are final (it raises if
+        the copy failed).  Each whole chunk is written straight from ``view`` once final.
+        Hashing waits until ``may_hash(wait)`` says so (the copy over, and the rank free
+        to spend a core on it; ``wait``: block until then), then catches up beside the
+        writes, :data:`_CATCH_UP_CHUNKS` chunks per write (hashing runs about twice as
+        fast as a local write).  The file so far must be a whole number of pages, nothing
+        waiting in a buffer.  Returns once every write from ``view`` is over.
+        """
+        if self._fill or self._size % DIRECT_ALIGN or _address(view) % DIRECT_ALIGN:
+            raise ValueError("write_as_filled needs a page-aligned block at a page boundary")
+        n = view.nbytes
+        whole = n - n % DIRECT_ALIGN
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="raycheckpoint-direct")
+        hashed, hashing = 0, self._hasher is None
+
+        def catch_up(upto: int, chunks: int) -> int:
+            at = hashed
+            while self._hasher is not None and at < upto and chunks:
+                end = min(at + DIRECT_CHUNK, upto)
+                self._hasher.update(view[at:end])
+                at, chunks = end, chunks - 1
+            return at
+
+        try:
+            for at in range(0, whole, DIRECT_CHUNK):
+                end = min(at + DIRECT_CHUNK, whole)
+                filled(end)
+                hashing = hashing or may_hash(False)
+                if hashing:
+                    hashed = catch_up(end, _CATCH_UP_CHUNKS)
+                spare = self._settle()
+                if spare is not None:
+                    _give_bounce(spare)
+                self._in_flight = (self._writer.submit(self._write_out, view[at:end], end - at),
+                                   None)
+            filled(n)
+            if not hashing:
+                may_hash(True)
+            hashed = catch_up(whole, -1)  # the rest, beside the last write
+            self._size += whole
+            self._settle()  # it writes from the caller's memory: done with it before returning
+        except BaseException:
+            self.abort()
+            raise
+        if whole < n:  # the last partial page, through a buffer (hashed with it)
+            self.write([view[whole:]])
 
     def _send(self) -> None:
         """Hash the full buffer, hand it to the writer thread; go on filling the other one."""
