@@ -164,6 +164,12 @@ class HashingStorageWriter(StorageWriter):
 
         image = getattr(planner, "file_image", None)
         staged_whole = None if image is None else image(file_name, items)
+        ahead = getattr(planner, "write_ahead", None)
+        if ahead is not None:  # written while the snapshot's copy filled its block?
+            entry = ahead.take(rel, None if staged_whole is None else staged_whole[0])
+            if entry is not None:
+                self.written.append(entry)
+                return list(staged_whole[1])
 
         def write_file() -> tuple[list[WriteResult], FileEntry]:
             results: list[WriteResult] = []

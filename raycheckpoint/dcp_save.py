@@ -77,6 +77,12 @@ class ReusingSavePlanner(DefaultSavePlanner):
         self.reused: _Outcome | None = None
         self.images: dict[str, _Image] = {}  # data files staged whole (adopt_image)
         self.tried_images = False  # whether the saver has tried to (once per planner)
+        # the images' files being written while the snapshot's copy fills them, for the
+        # storage writer to take (raycheckpoint._internal.write_ahead.WriteAhead)
+        self.write_ahead: Any = None
+        # (staging, image views, CopyOrder): the order of the copies over that staging
+        # that fills these images front to back (ShardSaver._write_ahead)
+        self.copy_order: tuple[Any, list[memoryview], Any] | None = None
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:
@@ -147,6 +153,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
         self._resolved.clear()
         self._pieces.clear()
         self.images.clear()
+        self.copy_order = None
         self._flat = None
         self.writer_memo.clear()
 

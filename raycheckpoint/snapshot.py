@@ -14,7 +14,9 @@
    assets (rank 0: files such as a Hugging Face ``config.json``), and reports the
    written files to the coordinator.  After the first save of a plan to local disk, it
    moves the staged tensors of the rank's large data file into one block laid out as the
-   file, which later saves write as it lies (:meth:`ShardSaver._stage_files_whole`).
+   file, which later saves write as it lies (:meth:`ShardSaver._stage_files_whole`):
+   a thread started at the snapshot writes it while the copy fills it
+   (:mod:`raycheckpoint._internal.write_ahead`), and the persist finds it written.
 3. On failure the thread keeps the exception (``PendingPersist.error``), reports it to
    the coordinator so the save aborts, and ``PendingPersist.wait()`` re-raises it.  A
    failure on one rank fails the save on every rank of the group in their first
@@ -47,6 +49,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from raycheckpoint._internal import faults
 from raycheckpoint._internal.staging import Staging, signature, tensor_bytes, touch
+from raycheckpoint._internal.write_ahead import CopyOrder, CopyProgress, WriteAhead
 from raycheckpoint.dcp_io import HashingStorageWriter
 from raycheckpoint.dcp_save import ReusingSavePlanner, save_state
 from raycheckpoint.format import asset_file, pack, rng_file
@@ -117,6 +120,29 @@ class PendingPersist:
         return self.files
 
 
+class _Once:
+    """``fn()``, called at most once from any thread; its answer (or error) kept."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._called = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def __call__(self) -> Any:
+        with self._lock:
+            if not self._called:
+                try:
+                    self._value = self._fn()
+                except BaseException as e:  # noqa: BLE001 - raised to every caller
+                    self._error = e
+                self._called = True
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class ShardSaver:
     """Stages and persists one rank's shard of one role."""
 
@@ -138,6 +164,8 @@ class ShardSaver:
         self.pending: PendingPersist | None = None
         self._copy_stream: Any = None
         self.copy_wait_s = 0.0  # total time callers were blocked in wait_copied()
+        # write a data file staged whole while the copy fills it (_write_ahead)
+        self.writes_ahead = True
 
     def _buffers_for(self, kind: str, state: dict[str, Any]) -> dict[str, Any]:
         """The host buffers for ``state``'s structure, allocated on first use."""
@@ -187,8 +215,13 @@ class ShardSaver:
             ready.record()
         return staged, copies, ready
 
-    def _copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]], ready: Any) -> None:
-        """Make the host copies (GPU: on a stream of its own, after ``ready``)."""
+    def _copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]], ready: Any,
+              progress: CopyProgress | None = None) -> None:
+        """Make the host copies (GPU: on a stream of its own, after ``ready``);
+        ``progress`` is told of each copy, and of the end (whatever happens)."""
+        if progress is not None:
+            progress.copy(copies)
+            return
         if ready is None:
             for dst, src in copies:
                 dst.copy_(src)
@@ -205,6 +238,59 @@ class ShardSaver:
         staged, copies, ready = self._plan_stage(kind, state)
         self._copy(copies, ready)
         return staged
+
+    def _write_ahead(self, kind: str, copies: list[tuple[torch.Tensor, torch.Tensor]],
+                     step_dir: str, named: Callable[[], tuple[str, str] | None] | None,
+                     timeout_s: float) -> tuple[list, CopyProgress | None]:
+        """Start writing the data files staged whole while the copy fills them
+        (:mod:`raycheckpoint._internal.write_ahead`): their write then overlaps the
+        copy, and the persist finds them written.  Returns the copies in the order that
+        fills the files front to back, and the progress the copy tells; None where no
+        file is written early (the first save of a plan, or its files are written record
+        by record)."""
+        planner = self._planners.get(kind)
+        if (not self.writes_ahead or planner is None or not planner.images
+                or planner.reused is None):
+            return copies, None
+        files = [(name, image.view) for name, image in sorted(planner.images.items())]
+        views = [view for _, view in files]
+        staging = self._staging.get(kind)
+        kept = planner.copy_order
+        got = None
+        if (kept is not None and kept[0] is staging and len(kept[1]) == len(views)
+                and all(a is b for a, b in zip(kept[1], views, strict=True))):
+            got = kept[2].apply(copies)
+        if got is None:  # first early write over this staging and these blocks
+            order = CopyOrder(copies, views)
+            planner.copy_order = (staging, views, order)
+            got = order.apply(copies)
+            assert got is not None
+        copies, progress = got
+        ahead = WriteAhead(files, progress, timeout_s)
+        planner.write_ahead = ahead
+
+        def dcp_dir() -> str | None:
+            where = step_dir
+            if named is not None:
+                named_as = named()
+                if named_as is None:
+                    return None
+                where = named_as[1]
+            return f"{where}/{self.role}"
+
+        # below training, as the persist thread is: the copy beside it is training's stall
+        ahead.start(self.storage, dcp_dir, f"raycheckpoint-write-ahead-{self.role}-{self.rank}",
+                    before=lambda: _lower_priority(self.persist_nice))
+        return copies, progress
+
+    def _end_write_ahead(self, kind: str) -> None:
+        """Wait for the early writes of ``kind``'s last snapshot; remove what no persist
+        took (:meth:`WriteAhead.end`)."""
+        planner = self._planners.get(kind)
+        ahead = None if planner is None else planner.write_ahead
+        if ahead is not None:
+            planner.write_ahead = None
+            ahead.end(self.storage)
 
     def wait_previous(self, timeout: float) -> None:
         """Wait for the previous persist; its error was already reported to the coordinator.
@@ -242,17 +328,21 @@ class ShardSaver:
         """
         t0 = time.perf_counter()
         self.wait_previous(wait_timeout_s)
+        self._end_write_ahead(kind)  # ended by its persist or snapshot already: never beside
         pending = PendingPersist(save_id)
+        if named is not None:  # asked by this thread, and by an early write's
+            named = _Once(named)
         try:
             faults.check("worker.snapshot", path=f"{self.role}/{self.rank}")
+            staged, copies, ready = self._plan_stage(kind, state)
+            copies, progress = self._write_ahead(kind, copies, step_dir, named, wait_timeout_s)
             if overlap:
-                staged, copies, ready = self._plan_stage(kind, state)
-                threading.Thread(target=self._copy_beside_training, args=(pending, copies, ready),
-                                 daemon=True,
+                threading.Thread(target=self._copy_beside_training,
+                                 args=(pending, copies, ready, progress), daemon=True,
                                  name=f"raycheckpoint-copy-{self.role}-{self.rank}").start()
             else:
                 t_copy = time.perf_counter()
-                staged = self._stage(kind, state)
+                self._copy(copies, ready, progress)
                 pending.copy_s = time.perf_counter() - t_copy
                 pending.copied.set()
         except BaseException as e:
@@ -264,9 +354,11 @@ class ShardSaver:
                 got = named()
             except BaseException:
                 pending.copied.wait()  # the buffers are the next snapshot's: let the copy end
+                self._end_write_ahead(kind)
                 raise
             if got is None:
                 pending.copied.wait()
+                self._end_write_ahead(kind)
                 return {"stall_s": time.perf_counter() - t0, "bytes": 0, "dropped": True}
             pending.save_id, step_dir = got
         stall_s = time.perf_counter() - t0
@@ -322,12 +414,18 @@ class ShardSaver:
                              failed=error, writes_tensors=writes_tensors)
 
     def _copy_beside_training(self, pending: PendingPersist,
-                              copies: list[tuple[torch.Tensor, torch.Tensor]], ready: Any) -> None:
+                              copies: list[tuple[torch.Tensor, torch.Tensor]], ready: Any,
+                              progress: CopyProgress | None) -> None:
         """The host copy of an overlapped save, in a thread of its own."""
         t0 = time.perf_counter()
         try:
-            faults.check("worker.copy", path=f"{self.role}/{self.rank}")
-            self._copy(copies, ready)
+            try:
+                faults.check("worker.copy", path=f"{self.role}/{self.rank}")
+            except BaseException as e:
+                if progress is not None:
+                    progress.finish(e)
+                raise
+            self._copy(copies, ready, progress)
         except BaseException as e:  # noqa: BLE001 - the persist reports it; the save aborts
             pending.copy_error = e
         finally:
@@ -399,6 +497,8 @@ class ShardSaver:
                  writes_tensors: bool) -> None:
         t0 = time.perf_counter()
         _lower_priority(self.persist_nice)
+        if planner.write_ahead is not None:  # the snapshot answered: its early write may hash
+            planner.write_ahead.progress.release()
         try:
             try:
                 pending.copied.wait()  # set by the copy thread whatever happens to it
@@ -439,4 +539,9 @@ class ShardSaver:
             except Exception as report_error:  # noqa: BLE001
                 e.add_note(f"also failed to report this error to the coordinator: {report_error}")
         finally:
-            pending._done.set()
+            try:
+                ahead, planner.write_ahead = planner.write_ahead, None
+                if ahead is not None:
+                    ahead.end(self.storage)
+            finally:
+                pending._done.set()

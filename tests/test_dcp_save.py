@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
+from raycheckpoint import digest
 from raycheckpoint._internal import faults
 from raycheckpoint.dcp_io import HashingStorageWriter
 from raycheckpoint.dcp_save import ReusingSavePlanner, save_state
@@ -398,3 +399,143 @@ def test_laid_out_records_write_what_torch_writes(tmp_path, monkeypatch):
     hows = [how for how, _ in layout.segments]
     assert hows.count(dcp_io._AS_IS) == 1 and hows.count(dcp_io._FRESH) == 2
     assert hows.count(dcp_io._JOINED) >= 2
+
+
+def _write_ahead_rank_main(rank: int, world: int, port: int, root: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from raycheckpoint import dcp_io
+    from raycheckpoint._internal.write_ahead import CopyFailed, WriteAhead
+    from raycheckpoint.snapshot import ShardSaver
+    from raycheckpoint.storage import StorageSpec
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+        dcp_io.SPLIT_AT_BYTES = dcp_io.SMALL_ITEM_BYTES = 0  # file 0: tensors only
+        net, optim, state = _model_and_state(world)
+        saver = ShardSaver(role="actor", rank=rank, world_size=world, storage=StorageSpec(root))
+        data_file = f"__{rank}_0.distcp"
+        taken: list = []  # what the storage writers took of the early writes
+        aheads: list = []  # each save's early write
+        real_take = WriteAhead.take
+
+        def take(self, rel, block):
+            entry = real_take(self, rel, block)
+            taken.append((rel, entry))
+            return entry
+
+        WriteAhead.take = take
+
+        def save(d: str, *, fail_copy: bool = False, forget: bool = False):
+            """As a snapshot then its persist do, with the early write between them."""
+            staged, copies, ready = saver._plan_stage("full", state())
+            copies, progress = saver._write_ahead("full", copies, d, None, 30.0)
+            planner = saver._planners.setdefault("full", ReusingSavePlanner())
+            ahead = planner.write_ahead
+            aheads.append(ahead)
+            failed = None
+            if fail_copy:  # this rank's copy fails halfway
+                half = len(copies) // 2
+                copies[half] = (copies[half][0], "not a tensor")
+                with pytest.raises(TypeError) as failed_copy:
+                    saver._copy(copies, ready, progress)
+                failed = RuntimeError(f"the copy failed: {failed_copy.value}")
+            else:
+                saver._copy(copies, ready, progress)
+            if forget:  # the staged tensors moved after the snapshot: no image to write
+                planner.forget_tensors()
+            writer = HashingStorageWriter(saver.storage, f"{d}/actor")
+            try:
+                save_state(staged, writer, planner, group, failed=failed)
+            finally:
+                saver._end_write_ahead("full")
+            if not planner.tried_images:
+                saver._stage_files_whole("full", planner, writer.results)
+            return writer, planner, ahead
+
+        def step() -> None:
+            net(torch.randn(4, 16)).sum().backward()
+            optim.step()
+
+        def whole_model(d: str) -> None:
+            whole = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True,
+                                                                        cpu_offload=True))
+            if rank == 0:
+                torch.save(whole, os.path.join(root, f"{d}-model.pt"))
+
+        def data(d: str) -> bytes:
+            with open(os.path.join(root, d, "actor", data_file), "rb") as f:
+                return f.read()
+
+        _, planner, ahead = save("w1")  # the first save of a plan: nothing written early
+        assert ahead is None and planner.images
+        whole_model("w1")
+
+        step()
+        writer, planner, ahead = save("w2")  # written while the copy filled the block
+        whole_model("w2")
+        rel = f"w2/actor/{data_file}"
+        assert ahead is not None and ahead.error is None and not ahead.written
+        entry = [e for e in writer.written if e.path == rel]
+        assert (rel, entry[0]) in taken, taken
+        assert data("w2") == bytes(planner.images[data_file].view)
+        assert entry[0].digest == digest.of(data("w2"), "blake3")
+        order = planner.copy_order[2]  # built once per staging and image, then kept
+
+        step()  # rank 1's copy fails: its early write stops, rank 0's goes unused
+        taken.clear()
+        with pytest.raises(Exception, match="copy failed"):
+            save("w3", fail_copy=rank == 1)
+        assert not os.path.exists(os.path.join(root, "w3", "actor", data_file))
+        assert saver._planners["full"].write_ahead is None  # ended, the files removed
+        assert saver._planners["full"].copy_order[2] is order
+        if rank == 1:
+            assert isinstance(aheads[-1].error, CopyFailed)
+        else:
+            assert aheads[-1].error is None and not taken  # no storage writer reached it
+        taken.clear()
+
+        writer, planner, ahead = save("w4")  # after a failure: the full protocol, written late
+        assert ahead is None and not taken
+        whole_model("w4")
+
+        step()
+        saver.writes_ahead = False  # checkpoint.write_ahead=false: the block written late
+        writer, planner, ahead = save("w4b")
+        assert ahead is None and not taken and planner.reused is not None
+        assert data("w4b") == bytes(planner.images[data_file].view)
+        whole_model("w4b")
+        saver.writes_ahead = True
+
+        step()
+        writer, planner, ahead = save("w5", forget=True)  # the image is gone: record by record
+        assert (f"w5/actor/{data_file}", None) in taken and not planner.images
+        whole_model("w5")
+        dist.barrier(group)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_data_file_staged_whole_is_written_while_the_copy_fills_it(tmp_path):
+    """From the second save of a plan, a data file staged whole is written while the
+    snapshot's copy fills its block; the persist takes that file (its bytes the block's,
+    its checksum theirs) instead of writing it.  A copy failing on one rank fails the save
+    on both and leaves no early file behind; with the early write turned off the persist
+    writes the block; a save whose image went away between the snapshot and the persist
+    writes the file record by record.  The copies' order is built once and kept.  Every
+    save loads exactly with torch's own reader."""
+    from workers.group import free_port
+
+    root = str(tmp_path)
+    mp.spawn(_write_ahead_rank_main, args=(2, free_port(), root), nprocs=2, join=True)
+    for d in ("w1", "w2", "w4", "w4b", "w5"):
+        saved = torch.load(os.path.join(root, f"{d}-model.pt"), weights_only=True)
+        got = _load_into_one(os.path.join(root, d, "actor"),
+                             {"model": {k: torch.zeros_like(v) for k, v in saved.items()}})
+        for k, v in saved.items():
+            assert torch.equal(got["model"][k], v), (d, k)
+    a = torch.load(os.path.join(root, "w2-model.pt"), weights_only=True)
+    b = torch.load(os.path.join(root, "w5-model.pt"), weights_only=True)
+    assert not torch.equal(a["0.weight"], b["0.weight"])
