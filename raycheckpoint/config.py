@@ -61,6 +61,12 @@ class CheckpointConfig:
     # local storage: each shard's data files are written with O_DIRECT (no page cache: the
     # kernel neither copies nor keeps their bytes) where the filesystem allows it
     direct_io: bool = True
+    # local storage, from a plan's second save: a shard's large data file, staged as one
+    # block laid out as the file, is written while the host copy fills it, so its write
+    # overlaps the copy instead of following it (durable sooner; the write's submissions
+    # share the host with the copy, which on a host short of cores or memory bandwidth
+    # can lengthen the stall a little)
+    write_ahead: bool = True
 
     # integrity / security: every file's checksum is written; enable_checksum=False skips
     # checking the shards' checksums on load (sizes and metadata are always checked).

@@ -199,7 +199,8 @@ class CheckpointManager:
         rpc = config.rpc_timeout_s
         _get([w.ckpt_setup.remote(role=role, rank=rank, world_size=len(ws), storage=self.spec,
                                   report_timeout_s=rpc, persist_nice=config.persist_nice,
-                                  freeze_gc=config.freeze_gc, coordinator=self._coordinator)
+                                  freeze_gc=config.freeze_gc, coordinator=self._coordinator,
+                                  write_ahead=config.write_ahead)
               for role, ws in self.groups.items() for rank, w in enumerate(ws)], rpc)
         _get(self._coordinator.register_workers.remote(self.workers), rpc)
         self._refresh_identities()

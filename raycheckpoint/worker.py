@@ -91,8 +91,10 @@ class CheckpointableWorker:
     def ckpt_setup(self, *, role: str, rank: int, world_size: int, storage: StorageSpec,
                    process_group: dist.ProcessGroup | None = None,
                    report_timeout_s: float = 300.0, persist_nice: int = 0,
-                   freeze_gc: bool = False, coordinator: Any = None) -> None:
-        """Set up this rank's saver; ``freeze_gc``: see ``CheckpointConfig.freeze_gc``.
+                   freeze_gc: bool = False, coordinator: Any = None,
+                   write_ahead: bool = True) -> None:
+        """Set up this rank's saver; ``freeze_gc``, ``write_ahead``: see
+        ``CheckpointConfig``.
 
         ``coordinator``: the handle snapshots report to unless they are given one (kept
         here so that each save's calls need not carry it).
@@ -104,6 +106,7 @@ class CheckpointableWorker:
             gc.freeze()
         if self._ckpt_saver is not None and self._ckpt_saver.storage_spec == storage:
             self._ckpt_saver.persist_nice = persist_nice
+            self._ckpt_saver.writes_ahead = write_ahead
             return
         if process_group is None and dist.is_initialized():
             # DCP runs collectives from the persist thread: give it a group of its own so
@@ -116,6 +119,7 @@ class CheckpointableWorker:
                                       storage=storage, process_group=process_group,
                                       report_timeout_s=report_timeout_s,
                                       persist_nice=persist_nice)
+        self._ckpt_saver.writes_ahead = write_ahead
 
     def _saver(self) -> ShardSaver:
         if self._ckpt_saver is None:
