@@ -68,6 +68,21 @@ def _model_and_state(world: int, out: int = 8):
     return net, optim, state
 
 
+def _train_step(net, optim) -> None:
+    net(torch.randn(4, 16)).sum().backward()
+    optim.step()
+
+
+def _save_whole_model(net, rank: int, path: str) -> None:
+    """The whole model (all ranks gather it), saved by rank 0 to compare loads with."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    whole = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    if rank == 0:
+        torch.save(whole, path)
+
+
 def _counting(real, calls: list[int]):
     def counted(*args, **kwargs):
         calls.append(1)
@@ -212,9 +227,22 @@ def _load_into_one(path: str, like: dict) -> dict:
     return like
 
 
-def _image_rank_main(rank: int, world: int, port: int, root: str) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def _check_saves_load_exactly(root: str, saves: dict[str, str], differ: tuple[str, str]) -> None:
+    """Each save (name -> its DCP directory under ``root``) loads into one process as
+    the whole model rank 0 kept beside it; the two saves ``differ`` held other values,
+    so the check cannot pass by loading stale bytes."""
+    for name, d in saves.items():
+        saved = torch.load(os.path.join(root, f"{name}-model.pt"), weights_only=True)
+        got = _load_into_one(os.path.join(root, d),
+                             {"model": {k: torch.zeros_like(v) for k, v in saved.items()}})
+        for k, v in saved.items():
+            assert torch.equal(got["model"][k], v), (name, k)
+    a, b = (torch.load(os.path.join(root, f"{name}-model.pt"), weights_only=True)
+            for name in differ)
+    assert not torch.equal(a["0.weight"], b["0.weight"])
 
+
+def _image_rank_main(rank: int, world: int, port: int, root: str) -> None:
     from raycheckpoint import dcp_io
     from raycheckpoint.snapshot import ShardSaver
     from raycheckpoint.storage import StorageSpec
@@ -242,14 +270,10 @@ def _image_rank_main(rank: int, world: int, port: int, root: str) -> None:
             return writer, planner
 
         def step() -> None:
-            net(torch.randn(4, 16)).sum().backward()
-            optim.step()
+            _train_step(net, optim)
 
         def whole_model(d: str) -> None:
-            whole = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True,
-                                                                        cpu_offload=True))
-            if rank == 0:
-                torch.save(whole, os.path.join(root, f"{d}-model.pt"))
+            _save_whole_model(net, rank, os.path.join(root, f"{d}-model.pt"))
 
         writer, planner = save("i1")
         whole_model("i1")
@@ -307,16 +331,7 @@ def test_a_data_file_staged_whole_is_written_from_its_block_and_loads(tmp_path):
 
     root = str(tmp_path)
     mp.spawn(_image_rank_main, args=(2, free_port(), root), nprocs=2, join=True)
-    for d in ("i1", "i2", "i3", "i4"):
-        saved = torch.load(os.path.join(root, f"{d}-model.pt"), weights_only=True)
-        got = _load_into_one(os.path.join(root, d),
-                             {"model": {k: torch.zeros_like(v) for k, v in saved.items()}})
-        for k, v in saved.items():
-            assert torch.equal(got["model"][k], v), (d, k)
-    # each save held other values: the check above cannot pass by loading stale bytes
-    a = torch.load(os.path.join(root, "i2-model.pt"), weights_only=True)
-    b = torch.load(os.path.join(root, "i3-model.pt"), weights_only=True)
-    assert not torch.equal(a["0.weight"], b["0.weight"])
+    _check_saves_load_exactly(root, {d: d for d in ("i1", "i2", "i3", "i4")}, ("i2", "i3"))
 
 
 def test_the_planner_flattens_once_and_reads_the_values_afresh():
@@ -402,8 +417,6 @@ def test_laid_out_records_write_what_torch_writes(tmp_path, monkeypatch):
 
 
 def _write_ahead_rank_main(rank: int, world: int, port: int, root: str) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     from raycheckpoint import dcp_io
     from raycheckpoint._internal.write_ahead import CopyFailed, WriteAhead
     from raycheckpoint.snapshot import ShardSaver
@@ -456,14 +469,10 @@ def _write_ahead_rank_main(rank: int, world: int, port: int, root: str) -> None:
             return writer, planner, ahead
 
         def step() -> None:
-            net(torch.randn(4, 16)).sum().backward()
-            optim.step()
+            _train_step(net, optim)
 
         def whole_model(d: str) -> None:
-            whole = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True,
-                                                                        cpu_offload=True))
-            if rank == 0:
-                torch.save(whole, os.path.join(root, f"{d}-model.pt"))
+            _save_whole_model(net, rank, os.path.join(root, f"{d}-model.pt"))
 
         def data(d: str) -> bytes:
             with open(os.path.join(root, d, "actor", data_file), "rb") as f:
@@ -530,12 +539,5 @@ def test_a_data_file_staged_whole_is_written_while_the_copy_fills_it(tmp_path):
 
     root = str(tmp_path)
     mp.spawn(_write_ahead_rank_main, args=(2, free_port(), root), nprocs=2, join=True)
-    for d in ("w1", "w2", "w4", "w4b", "w5"):
-        saved = torch.load(os.path.join(root, f"{d}-model.pt"), weights_only=True)
-        got = _load_into_one(os.path.join(root, d, "actor"),
-                             {"model": {k: torch.zeros_like(v) for k, v in saved.items()}})
-        for k, v in saved.items():
-            assert torch.equal(got["model"][k], v), (d, k)
-    a = torch.load(os.path.join(root, "w2-model.pt"), weights_only=True)
-    b = torch.load(os.path.join(root, "w5-model.pt"), weights_only=True)
-    assert not torch.equal(a["0.weight"], b["0.weight"])
+    _check_saves_load_exactly(root, {d: f"{d}/actor" for d in ("w1", "w2", "w4", "w4b", "w5")},
+                              ("w2", "w5"))
