@@ -32,7 +32,7 @@ _bounce_lock = threading.Lock()
 _bounce_free: list[mmap.mmap] = []
 
 
-def _address(view: memoryview) -> int:
+def address(view: memoryview) -> int:
     """Where ``view``'s bytes start in memory."""
     return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
@@ -116,7 +116,7 @@ class DirectFile:
     def write(self, views: list[memoryview]) -> None:
         for v in views:
             n, at = v.nbytes, 0
-            if not self._fill and n >= DIRECT_ALIGN and _address(v) % DIRECT_ALIGN == 0:
+            if not self._fill and n >= DIRECT_ALIGN and address(v) % DIRECT_ALIGN == 0:
                 at = self._write_through(v)
             while at < n:
                 k = min(DIRECT_CHUNK - self._fill, n - at)
@@ -164,7 +164,7 @@ class DirectFile:
         fast as a local write).  The file so far must be a whole number of pages, nothing
         waiting in a buffer.  Returns once every write from ``view`` is over.
         """
-        if self._fill or self._size % DIRECT_ALIGN or _address(view) % DIRECT_ALIGN:
+        if self._fill or self._size % DIRECT_ALIGN or address(view) % DIRECT_ALIGN:
             raise ValueError("write_as_filled needs a page-aligned block at a page boundary")
         n = view.nbytes
         whole = n - n % DIRECT_ALIGN

@@ -419,15 +419,12 @@ class ShardSaver:
         """The host copy of an overlapped save, in a thread of its own."""
         t0 = time.perf_counter()
         try:
-            try:
-                faults.check("worker.copy", path=f"{self.role}/{self.rank}")
-            except BaseException as e:
-                if progress is not None:
-                    progress.finish(e)
-                raise
+            faults.check("worker.copy", path=f"{self.role}/{self.rank}")
             self._copy(copies, ready, progress)
         except BaseException as e:  # noqa: BLE001 - the persist reports it; the save aborts
             pending.copy_error = e
+            if progress is not None:  # the early write stops (told already by a failed copy)
+                progress.finish(e)
         finally:
             pending.copy_s = time.perf_counter() - t0
             pending.copied.set()

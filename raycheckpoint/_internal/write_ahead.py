@@ -3,7 +3,7 @@
 After a plan's first save, a rank's large data file is staged as one page-aligned block
 laid out as the file (:meth:`raycheckpoint.dcp_save.ReusingSavePlanner.adopt_image`).
 At the next snapshot the copy fills that block front to back, tensor by tensor, and a
-thread of the saver's writes each chunk of the file once the copy has filled it
+thread of the saver writes each chunk of the file once the copy has filled it
 (:class:`WriteAhead`), so the file's write overlaps the copy instead of following it.
 The persist's storage writer then takes the written file in place of writing it
 (:meth:`WriteAhead.take`); a file it does not take (the plan changed, the save failed)
@@ -23,17 +23,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
+
+from raycheckpoint.direct_io import address
 
 log = logging.getLogger(__name__)
 
 # a waiting writer is woken at least this often as the copy fills its block
 NOTIFY_BYTES = 8 << 20
-
-
-def _address(view: memoryview) -> int:
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
 class CopyFailed(RuntimeError):
@@ -47,8 +44,7 @@ class CopyProgress:
     point reached, writers call :meth:`wait`.
     """
 
-    def __init__(self, lengths: list[int], first: list[int],
-                 points: list[tuple[int, int, int]]) -> None:
+    def __init__(self, first: list[int], points: list[tuple[int, int, int]]) -> None:
         self._filled = list(first)  # per block: its first bytes that are final
         self._points = points  # (copy index, block, its bytes final once that copy is made)
         self._cond = threading.Condition()
@@ -129,7 +125,7 @@ class CopyOrder:
 
     def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]],
                  blocks: list[memoryview]) -> None:
-        spans = [(_address(b), b.nbytes) for b in blocks]
+        spans = [(address(b), b.nbytes) for b in blocks]
         inside: list[list[tuple[int, int]]] = [[] for _ in blocks]  # (offset, copy index)
         rest = []
         for i, (dst, _) in enumerate(copies):
@@ -143,7 +139,6 @@ class CopyOrder:
         self.order: list[int] = []
         self.points: list[tuple[int, int, int]] = []
         self.first: list[int] = []
-        self.lengths = [n for _, n in spans]
         self._check: list[tuple[int, int]] = []  # (copy index, destination address)
         for k, got in enumerate(inside):
             got.sort()
@@ -167,7 +162,7 @@ class CopyOrder:
                                                  for i, p in self._check):
             return None
         return ([copies[i] for i in self.order],
-                CopyProgress(self.lengths, self.first, self.points))
+                CopyProgress(self.first, self.points))
 
 
 class WriteAhead:
