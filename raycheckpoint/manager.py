@@ -316,11 +316,11 @@ class CheckpointManager:
             expected=expected, world_sizes=self.world_sizes, frozen=self._identities)
         # a trainable role is never reused: its workers copy while `begin` runs, and read its
         # answer (the reference, in a list, is not resolved before the call) once copied
-        early = [w for role, ws in self.groups.items() if role not in self.frozen_roles
-                 for w in ws]
+        early = [(f"{role}/{rank}", w) for role, ws in self.groups.items()
+                 if role not in self.frozen_roles for rank, w in enumerate(ws)]
         snap_refs = [w.ckpt_snapshot_begun.remote([begin_ref], kind, wait_s,
                                                   self.config.overlap_copy, wait_s + rpc)
-                     for w in early]
+                     for _, w in early]
         try:
             begun = _get(begin_ref, wait_s + rpc)
         except Exception as e:
@@ -336,26 +336,32 @@ class CheckpointManager:
                               stall_s=time.perf_counter() - t0, worker_stall_s=0.0,
                               existing={**e, "existing": True})
         save_id, name = begun["save_id"], begun["name"]
-        late = [w for role in self.frozen_roles if role not in begun["reused"]
-                for w in self.groups[role]]
+        late = [(f"{role}/{rank}", w) for role in self.frozen_roles if role not in begun["reused"]
+                for rank, w in enumerate(self.groups[role])]
         snap_refs += [w.ckpt_snapshot_begun.remote(begun, kind, wait_s, self.config.overlap_copy)
-                      for w in late]
+                      for _, w in late]
         writers = early + late
         try:  # the workers report to the coordinator they were set up with
             snaps = _get(snap_refs, wait_s + rpc)
         except BaseException as e:
-            self._coordinator.abort.remote(save_id, f"snapshot failed: {type(e).__name__}: {e}")
-            # the ranks that staged persist too, and meet the failed rank's refusal in their
-            # first agreement: they end at once, not when the next save finds them waiting
-            for w in writers:
-                w.ckpt_start_persist.remote(save_id, if_staged=True)
+            self._fail_staged(save_id, name, kind, writers,
+                              f"snapshot failed: {type(e).__name__}: {e}")
             raise CheckpointSaveError(f"snapshot for {name} failed: {type(e).__name__}: {e}",
                                       failures={"snapshot": repr(e)}) from e
+        # a rank that could not read `begin`'s answer (its wait for it failed, where the
+        # driver's did not) staged nothing: it joins the save only to fail it
+        lost = {who: s["dropped"] for (who, _), s in zip(writers, snaps, strict=True)
+                if s.get("dropped")}
+        if lost:
+            reason = "; ".join(f"{who}: {why}" for who, why in lost.items())
+            self._fail_staged(save_id, name, kind, writers, f"snapshot failed: {reason}",
+                              refusing=lost)
+            raise CheckpointSaveError(f"snapshot for {name} failed: {reason}", failures=lost)
         # every rank answered before any persist thread competes for its GIL; sent from
         # here, so each start is queued ahead of the driver's next call to that worker (the
         # next training step); not waited for: a failed persist reports to the coordinator,
         # and a start that never arrives happens at the worker's next snapshot, load or wait
-        for w in writers:
+        for _, w in writers:
             w.ckpt_start_persist.remote(save_id)
         finished = self._coordinator.await_save.remote(save_id)
         handle = SaveHandle(self, save_id=save_id, name=name, step=step, kind=kind,
@@ -364,6 +370,22 @@ class CheckpointManager:
                             finished=finished)
         self._handles.append(handle)
         return handle
+
+    def _fail_staged(self, save_id: str, name: str, kind: str, writers: list[tuple[str, Any]],
+                     reason: str, refusing: dict[str, str] | None = None) -> None:
+        """Abort save ``save_id`` (step directory ``name``) after its snapshots; wait for no one.
+
+        The ranks that staged persist too, and meet a failed rank's refusal in their first
+        agreement: they end at once, not when the next save finds them waiting.  A rank
+        whose staging failed refused by itself; one in ``refusing`` (``"role/rank"`` -> why)
+        staged nothing and is told to refuse first.
+        """
+        self._coordinator.abort.remote(save_id, reason)
+        for who, w in writers:
+            if refusing and who in refusing:
+                w.ckpt_refuse.remote(save_id, name, kind, refusing[who],
+                                     self.config.save_wait_timeout_s)
+            w.ckpt_start_persist.remote(save_id, if_staged=True)
 
     @staticmethod
     def _settle(refs: list[Any], timeout: float) -> None:

@@ -24,7 +24,9 @@ the host copy; a trainable role's copy runs while the coordinator's ``begin`` do
 behind its persist thread), and per resume ``ckpt_load``.  ``ckpt_snapshot`` stages for
 a save already named, for callers driving the protocol themselves.  A rank whose state
 cannot be staged refuses the save (its persist takes part in the ranks' first agreement
-with the error), so that the ranks persisting it fail at once instead of waiting for it.
+with the error), so that the ranks persisting it fail at once instead of waiting for it;
+one that never read ``begin``'s answer, which the driver did, is told to
+(``ckpt_refuse``).
 
 Overlapped copy (``checkpoint.overlap_copy``): a worker that calls
 ``self.ckpt_guard(optimizer)`` lets ``ckpt_snapshot`` return before its host copy is
@@ -48,9 +50,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from raycheckpoint._internal import rpc
+from raycheckpoint._internal import faults, rpc
 from raycheckpoint.dcp_io import VerifyingStorageReader, load_verified, overlapping_ranks
-from raycheckpoint.errors import IntegrityError
+from raycheckpoint.errors import CheckpointSaveError, IntegrityError
 from raycheckpoint.format import DCP_METADATA, unpack
 from raycheckpoint.integrity import verify_bytes
 from raycheckpoint.snapshot import ShardSaver
@@ -181,6 +183,7 @@ class CheckpointableWorker:
             answer = begun
             if isinstance(answer, list):
                 try:
+                    faults.check("worker.begin_answer", path=f"{self.ckpt_role}/{self.ckpt_rank}")
                     answer = rpc.get(answer[0], begin_timeout_s)
                 except Exception as e:  # noqa: BLE001 - the driver gets the same error
                     reason = f"begin failed: {type(e).__name__}"
@@ -226,6 +229,19 @@ class CheckpointableWorker:
         out["copy_s"] = out["stall_s"]
         out["stall_s"] = time.perf_counter() - t0  # with building the state dict
         return out
+
+    def ckpt_refuse(self, save_id: str, name: str, kind: str, reason: str,
+                    wait_timeout_s: float = 1800.0) -> None:
+        """Fail save ``save_id`` (step directory ``name``) from this rank, which staged
+        nothing for it: its snapshot never read ``begin``'s answer, which the driver did.
+
+        The peers that staged it meet this rank's refusal in their first agreement and
+        end at once, instead of waiting there for it until the process group's timeout.
+        """
+        saver = self._saver()
+        saver.wait_previous(wait_timeout_s)
+        saver.refuse(kind, CheckpointSaveError(f"{self.ckpt_role}/{self.ckpt_rank}: {reason}"),
+                     save_id=save_id, step_dir=name, coordinator=self._ckpt_coordinator)
 
     def ckpt_start_persist(self, save_id: str, if_staged: bool = False) -> None:
         """Start the persist of staged save ``save_id``; ``if_staged``: where this rank

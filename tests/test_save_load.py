@@ -276,6 +276,20 @@ def test_a_snapshot_failing_on_one_rank_leaves_the_next_save_whole(group2, local
         m.close(60)
 
 
+def test_a_rank_that_never_reads_begins_answer_fails_the_save_at_once(group2, local_root):
+    """``begin`` answers the driver, but one rank's wait for the answer fails: that rank
+    staged nothing, so the save fails at once (naming the rank), and its peer, which
+    staged and persists, neither waits for it in DCP's first agreement nor holds up the
+    next save."""
+    m = manager(local_root, {"actor": group2})
+    try:
+        a_failed_save_then_a_whole_one(m, group2, local_root, "worker.begin_answer",
+                                       r"actor/1: begin failed: InjectedFault")
+        assert [s["ok"] for s in m.checkpoint_stats] == [True, True]
+    finally:
+        m.close(60)
+
+
 def test_barrier_timeout_names_missing_rank(group2, local_root):
     m = manager(local_root, {"actor": group2}, config={"commit_timeout_s": 4})
     try:
