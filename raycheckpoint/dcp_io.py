@@ -50,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 import torch.serialization
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
     LoadPlan,
     LoadPlanner,
     Metadata,
@@ -66,11 +67,18 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from raycheckpoint import digest
-from raycheckpoint.dcp_load import LayoutCachingLoadPlanner
+from raycheckpoint.dcp_load import LayoutCachingLoadPlanner, copy_run
+from raycheckpoint.direct_io import address
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.format import DCP_METADATA
 from raycheckpoint.integrity import check_digest, check_size, verify_bytes
-from raycheckpoint.records import contiguous_owner, load_record, record_tensor, save_record
+from raycheckpoint.records import (
+    contiguous_owner,
+    load_record,
+    record_data_offset,
+    record_tensor,
+    save_record,
+)
 from raycheckpoint.storage import FileEntry, Storage
 
 DCP_SUFFIX = ".distcp"
@@ -391,9 +399,18 @@ class VerifyingStorageReader(StorageReader):
             at = next((i for i, c in enumerate(chunks) if c.offsets == index.offset), None)
         return None if at is None else (md.properties.dtype, tuple(chunks[at].sizes))
 
-    def _load_tensor(self, rel: str, blob: memoryview, req: Any, planner: LoadPlanner) -> None:
+    def _load_tensor(self, rel: str, blob: memoryview, req: Any, planner: LoadPlanner,
+                     base: int | None = None) -> None:
+        """Copy tensor item ``req`` out of ``blob`` (``base``: its address, where the
+        planner resolves targets as DCP's default one does) into its target."""
         record = self._record(rel, blob, req)
         layout = self._chunk_layout(req.storage_index)
+        if base is not None and layout is not None:
+            at = record_data_offset(record, *layout)
+            if at is not None and copy_run(
+                    planner.lookup_tensor(req.dest_index), *layout, req,
+                    base + self.storage_data[req.storage_index].offset + at):
+                return  # DCP's default planner commits nothing
         stored = record_tensor(record, *layout) if layout is not None else load_record(record)
         tensor = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
         del stored
@@ -555,11 +572,12 @@ class VerifyingStorageReader(StorageReader):
         # grad mode is per thread, so set here too: DTensor.to_local() is then an attribute
         # read (3 against 17 us through autograd), once per item
         with torch.no_grad(), self._open_verified(rel) as blob:
+            base = address(blob) if len(blob) and _default_targets(planner) else None
             for req in reqs:
                 if req.type == LoadItemType.BYTE_IO:
                     held.append((req, bytes(self._record(rel, blob, req))))
                 else:
-                    self._load_tensor(rel, blob, req, planner)
+                    self._load_tensor(rel, blob, req, planner, base)
         for req, record in held:  # the file verified (or checksums are off)
             planner.load_bytes(req, io.BytesIO(record))
 
@@ -598,6 +616,16 @@ class VerifyingStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return False
+
+
+def _default_targets(planner: LoadPlanner) -> bool:
+    """Whether ``planner`` finds, narrows and commits targets as DCP's default planner
+    does, so that an item may be copied into its target without asking it
+    (:func:`~raycheckpoint.dcp_load.copy_run`)."""
+    kind = type(planner)
+    return isinstance(planner, DefaultLoadPlanner) and all(
+        getattr(kind, name) is getattr(DefaultLoadPlanner, name)
+        for name in ("resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor"))
 
 
 def _page_in(path: str, limit: int, stop: threading.Event) -> None:

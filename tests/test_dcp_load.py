@@ -4,8 +4,9 @@ Four real ranks (gloo, FSDP2, part of the model on a 2-D mesh) save a model and 
 state with uneven shapes; then 4 ranks (the same layout: layers of one shape on either
 mesh), 3 and 2 ranks plan their loads with
 :class:`LayoutCachingLoadPlanner` and with DCP's ``DefaultLoadPlanner``: the plans must be
-the same read items in the same order (index hints included), and loading through either
-gives the same bits.
+the same read items in the same order (index hints included), and loading through either,
+or through this project's reader (whose copies are ``memmove``s, :func:`copy_run`), gives
+the same bits.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
-from raycheckpoint.dcp_load import LayoutCachingLoadPlanner, local_load_plan
+from raycheckpoint import digest
+from raycheckpoint.dcp_io import HashingStorageWriter, VerifyingStorageReader, load_verified
+from raycheckpoint.dcp_load import (
+    LayoutCachingLoadPlanner,
+    contiguous_span,
+    copy_run,
+    local_load_plan,
+)
+from raycheckpoint.storage import FileEntry, Storage
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -68,13 +77,25 @@ def _flat(state: dict) -> dict:
     return {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in flat.items()}
 
 
+def _entries(path: str) -> dict[str, FileEntry]:
+    """What a manifest would list for the DCP directory ``path`` (named ``ckpt``)."""
+    out = {}
+    for name in os.listdir(path):
+        with open(os.path.join(path, name), "rb") as f:
+            data = f.read()
+        out[f"ckpt/{name}"] = FileEntry(f"ckpt/{name}", len(data), digest.of(data, digest.DEFAULT))
+    return out
+
+
 def _rank_main(rank: int, world: int, port: int, root: str, save: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         path = os.path.join(root, "ckpt")
         if save:
-            dcp.save(_state(world, hsdp=True), checkpoint_id=path)
+            # this project's writer: its records are the layout the reader copies itself
+            dcp.save(_state(world, hsdp=True),
+                     storage_writer=HashingStorageWriter(Storage(root), "ckpt"))
             dist.barrier()
         metadata = FileSystemReader(path).read_metadata()
         ours = _plan(LayoutCachingLoadPlanner(), _state(world, hsdp=world == 4), metadata)
@@ -83,20 +104,25 @@ def _rank_main(rank: int, world: int, port: int, root: str, save: bool) -> None:
         assert ours == theirs, (len(ours), len(theirs), next(
             ((a, b) for a, b in zip(ours, theirs, strict=False) if a != b), None))
         loaded = {}
-        for name, planner in (("ours", LayoutCachingLoadPlanner()), ("theirs", DefaultLoadPlanner())):
+        for name in ("ours", "theirs", "reader"):
             state = _state(world, hsdp=world == 4)
             for t in _flat(state).values():
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
                     t.zero_()
-            dcp.load(state, checkpoint_id=path, planner=planner)
-            loaded[name] = _flat(state)
-        assert loaded["ours"].keys() == loaded["theirs"].keys()
-        for k, v in loaded["ours"].items():
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(v, loaded["theirs"][k]), k
+            if name == "reader":  # this project's reader, whose copies bypass torch's
+                load_verified(state, VerifyingStorageReader(Storage(root), "ckpt", _entries(path)))
             else:
-                assert v == loaded["theirs"][k], k
-        assert loaded["ours"]["extra.note"] == "x"
+                planner = LayoutCachingLoadPlanner() if name == "ours" else DefaultLoadPlanner()
+                dcp.load(state, checkpoint_id=path, planner=planner)
+            loaded[name] = _flat(state)
+        for name in ("ours", "reader"):
+            assert loaded[name].keys() == loaded["theirs"].keys()
+            for k, v in loaded[name].items():
+                if isinstance(v, torch.Tensor):
+                    assert torch.equal(v, loaded["theirs"][k]), (name, k)
+                else:
+                    assert v == loaded["theirs"][k], (name, k)
+            assert loaded[name]["extra.note"] == "x"
     finally:
         dist.destroy_process_group()
 
@@ -115,7 +141,7 @@ def test_plain_tensors_and_missing_keys_as_dcp_does(tmp_path):
 
     path = str(tmp_path / "ckpt")
     saved = {"a": torch.ones(3, 4), "b": torch.zeros(3, 4), "c": torch.arange(5), "n": 7}
-    dcp.save(saved, checkpoint_id=path, no_dist=True)
+    dcp.save(saved, storage_writer=HashingStorageWriter(Storage(str(tmp_path)), "ckpt"), no_dist=True)
     metadata = FileSystemReader(path).read_metadata()
     state = {"a": torch.empty(3, 4), "b": torch.empty(3, 4), "c": torch.empty(5, dtype=torch.long),
              "n": 0}
@@ -133,3 +159,75 @@ def test_plain_tensors_and_missing_keys_as_dcp_does(tmp_path):
     planner = LayoutCachingLoadPlanner(allow_partial_load=True)
     planner.set_up_planner(fewer, metadata)
     assert [r.dest_index.fqn for r in planner.create_local_plan().items] == ["a"]
+
+
+def _blocks(sizes: tuple[int, ...]):
+    """Every block (offsets, lengths) of a tensor of ``sizes``, and some reaching past it."""
+    import itertools
+
+    per_dim = [[(o, n) for o in range(size + 1) for n in range(size - o + 1)] + [(size, 1)]
+               for size in sizes]
+    for combo in itertools.product(*per_dim):
+        yield tuple(o for o, _ in combo), tuple(n for _, n in combo)
+
+
+@pytest.mark.parametrize("sizes", [(), (5,), (4, 3), (2, 3, 4), (3, 1, 2)])
+def test_contiguous_span_is_exactly_the_blocks_that_are_one_run(sizes):
+    whole = torch.arange(max(1, torch.Size(sizes).numel())).reshape(sizes)
+    for offsets, lengths in _blocks(sizes):
+        span = contiguous_span(sizes, offsets, lengths)
+        if any(o + n > size for o, n, size in zip(offsets, lengths, sizes, strict=True)):
+            assert span is None, (offsets, lengths)
+            continue
+        block = whole
+        for dim, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
+            block = block.narrow(dim, o, n)
+        if block.numel() == 0:
+            assert span is None or span[1] == 0
+            continue
+        assert (span is not None) == block.is_contiguous(), (offsets, lengths)
+        if span is not None:
+            start, count = span
+            assert torch.equal(block.reshape(-1), whole.reshape(-1)[start:start + count])
+
+
+def test_the_reader_copies_runs_itself_and_leaves_the_rest_to_dcp(tmp_path, monkeypatch):
+    """Items whose source and target are one run each are ``memmove``d (and the target's
+    version moves, as a ``copy_`` moves it); a transposed target, a target of another
+    dtype and a tensor subclass take DCP's ``copy_``.  Every target ends as torch's own
+    reader leaves it."""
+    import ctypes
+
+    from raycheckpoint import dcp_load
+
+    g = torch.Generator().manual_seed(0)
+    saved = {"w": torch.randn(6, 4, generator=g), "t": torch.randn(4, 6, generator=g),
+             "h": torch.randn(6, 4, generator=g), "s": torch.tensor(3.0),
+             "p": torch.nn.Parameter(torch.randn(5, generator=g)),
+             "sub": torch.randn(3, generator=g), "i": torch.arange(7)}
+    path = str(tmp_path / "ckpt")
+    dcp.save(saved, storage_writer=HashingStorageWriter(Storage(str(tmp_path)), "ckpt"), no_dist=True)
+
+    class Sub(torch.Tensor):
+        pass
+
+    def targets():
+        return {"w": torch.zeros(6, 4), "t": torch.zeros(6, 4).t(),
+                "h": torch.zeros(6, 4, dtype=torch.bfloat16), "s": torch.tensor(0.0),
+                "p": torch.nn.Parameter(torch.zeros(5)), "sub": torch.zeros(3).as_subclass(Sub),
+                "i": torch.zeros(7, dtype=torch.long)}
+
+    theirs = targets()
+    dcp.load(theirs, checkpoint_id=path, no_dist=True)
+    moved = []
+    real = ctypes.memmove
+    monkeypatch.setattr(dcp_load.ctypes, "memmove",
+                        lambda dst, src, n: moved.append(n) or real(dst, src, n))
+    ours = targets()
+    versions = {k: v._version for k, v in ours.items()}
+    load_verified(ours, VerifyingStorageReader(Storage(str(tmp_path)), "ckpt", _entries(path)))
+    for k, v in ours.items():
+        assert torch.equal(v, theirs[k]) and v.dtype == theirs[k].dtype, k
+        assert v._version > versions[k], k
+    assert sorted(moved) == sorted([6 * 4 * 4, 4, 5 * 4, 7 * 8])  # w, s, p, i
+    assert not copy_run(torch.zeros(4, 6).t(), torch.float32, (6, 4), None, 0)
