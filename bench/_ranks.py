@@ -218,9 +218,7 @@ class _BenchRank(CheckpointableWorker):
         return self._state_dicts.state_dict(kind)
 
     def ckpt_load_state_dict(self, state: dict[str, Any], kind: str) -> None:
-        set_model_state_dict(self.net, state["model"])
-        if "optim" in state:
-            set_optimizer_state_dict(self.net, self.optim, state["optim"])
+        self._state_dicts.load_state_dict(state)  # what a worker would use
 
     # ---- the machine's limits --------------------------------------------------------------
 

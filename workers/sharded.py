@@ -19,8 +19,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -96,9 +94,7 @@ class ShardedModelWorker(CheckpointableWorker):
         return self._state_dicts.state_dict(kind)  # "optim" only where there is an optimizer
 
     def ckpt_load_state_dict(self, state: dict[str, Any], kind: str) -> None:
-        set_model_state_dict(self.net, state["model"])
-        if "optim" in state:
-            set_optimizer_state_dict(self.net, self.optim, state["optim"])
+        self._state_dicts.load_state_dict(state)  # the load filled the live tensors
 
     def ckpt_extra_state(self) -> dict[str, Any]:
         if not self.trainable:
