@@ -84,9 +84,9 @@ class StateDictCache:
     def _live_model(self) -> list[torch.Tensor]:
         return [*self.model.parameters(), *self.model.buffers()]
 
-    def _model_current(self) -> bool:
-        """Whether the cached model dict still holds the live parameters and buffers."""
-        live, key = self._live_model(), self._model_key
+    def _model_current(self, live: list[torch.Tensor]) -> bool:
+        """Whether the cached model dict still holds ``live`` (:meth:`_live_model`)."""
+        key = self._model_key
         return (key is not None and len(key) == len(live) and all(
             ref() is t and _local(t).data_ptr() == ptr
             for (ref, ptr), t in zip(key, live, strict=True)))
@@ -95,9 +95,9 @@ class StateDictCache:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         with torch.no_grad():
-            if self._model_current():
-                return dict(self._model_sd)
             live = self._live_model()
+            if self._model_current(live):
+                return dict(self._model_sd)
             sd = get_model_state_dict(self.model)
             self.builds += 1
             ptrs = {_local(t).data_ptr() for t in live}
@@ -197,7 +197,8 @@ class StateDictCache:
     def _model_loaded_in_place(self, sd: dict[str, Any]) -> bool:
         cached = self._model_sd
         return (cached is not None and isinstance(sd, dict) and sd.keys() == cached.keys()
-                and all(sd[k] is v for k, v in cached.items()) and self._model_current()
+                and all(sd[k] is v for k, v in cached.items())
+                and self._model_current(self._live_model())
                 and _only_fsdp_load_hooks(self.model))
 
     def _loaded_groups(self, sd: Any) -> list[dict[str, Any]] | None:
