@@ -305,7 +305,7 @@ class ShardSaver:
                 f"{self.role}/{self.rank}: previous save {self.pending.save_id} still persisting "
                 f"after {timeout}s")
 
-    @torch.no_grad()  # DTensor.to_local() is then a plain attribute read, not an autograd op
+    @torch.no_grad()  # no autograd bookkeeping for the copies from parameters that need grad
     def snapshot(self, *, save_id: str, step_dir: str, kind: str, state: dict[str, Any],
                  extra: dict[str, Any] | None, coordinator: Any,
                  wait_timeout_s: float = 1800.0,

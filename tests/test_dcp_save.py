@@ -108,6 +108,12 @@ def _check_staging(root: str, state) -> None:
             assert isinstance(staged["model"][k], DTensor)
             assert staged["model"][k].placements == v.placements
             assert torch.equal(staged["model"][k].to_local(), v.to_local())
+    # from one save to the next each tensor is copied from the very same source, its
+    # local memory: a parameter's to_local() is a new view at every call, not taken anew
+    sources = [[src for _, src in saver._plan_stage("full", s)[1]] for _ in range(2)]
+    assert all(a is b for a, b in zip(*sources, strict=True))
+    local = {t._local_tensor.data_ptr() for t in s["model"].values()}
+    assert local <= {src.data_ptr() for src in sources[0]}
     w = s["model"]["0.weight"]
     s["model"]["0.weight"] = DTensor.from_local(w.to_local(), w.device_mesh, [Replicate()],
                                                 run_check=False)

@@ -72,7 +72,7 @@ class Staging:
     """
 
     def __init__(self, state: dict[str, Any], buffers: dict[str, Any]) -> None:
-        with torch.no_grad():  # a DTensor's to_local() is then its local tensor, not a view
+        with torch.no_grad():  # a DTensor's to_local() is then no autograd op
             self.root = self._compile(state, buffers)
         self.bytes = tensor_bytes(buffers)
         self.empty = not state  # nothing to save in DCP's format (extra state only)
@@ -80,7 +80,8 @@ class Staging:
     def _compile(self, src: Any, buf: Any) -> list:
         if isinstance(src, dict):
             keys = tuple(src)
-            return [_DICT, keys, [self._compile(src[k], buf[k]) for k in keys]]
+            children = [self._compile(src[k], buf[k]) for k in keys]
+            return [_DICT, keys, children, all(c[0] == _TENSOR for c in children)]
         if isinstance(src, (list, tuple)):
             children = [self._compile(v, b) for v, b in zip(src, buf, strict=True)]
             if all(c[0] == _VALUE for c in children):
@@ -120,27 +121,13 @@ class Staging:
     def _restage(self, src: Any, node: list, copies: list) -> Any:
         tag = node[0]
         if tag == _TENSOR:
-            if node[3]:
-                if not isinstance(src, DTensor):
-                    raise _Changed
-                placements = src.placements
-                if placements is not node[6] and placements != node[6]:
-                    raise _Changed
-                local = src.to_local()
-            elif isinstance(src, torch.Tensor) and not isinstance(src, DTensor):
-                local = src
-            else:
-                raise _Changed
-            if local.shape != node[4] or local.dtype != node[5]:
-                raise _Changed
-            if local is not node[7] or local.data_ptr() != node[8]:
-                node[7], node[8], node[9] = local, local.data_ptr(), local.detach()
-            copies.append((node[2], node[9]))
-            return node[1]
+            return _restage_tensor(src, node, copies)
         if tag == _DICT:
             keys, children = node[1], node[2]
             if not isinstance(src, dict) or len(src) != len(keys):
                 raise _Changed
+            if node[3]:  # tensors only (a model's parameters, one parameter's optimizer state)
+                return {k: _restage_tensor(src[k], c, copies) for k, c in zip(keys, children, strict=True)}
             return {k: self._restage(src[k], c, copies) for k, c in zip(keys, children, strict=True)}
         if tag == _VALUES:
             if type(src) is not node[1] or len(src) != node[2]:
@@ -153,6 +140,36 @@ class Staging:
                 raise _Changed
             return node[1](self._restage(v, c, copies) for v, c in zip(src, node[2], strict=True))
         return _value(src)
+
+
+def _restage_tensor(src: Any, node: list, copies: list) -> torch.Tensor:
+    """A tensor node of :meth:`Staging.restage`: check ``src`` against it, append its
+    copy, return its buffer.
+
+    A DTensor's placements and local tensor are read as attributes. Through
+    ``to_local()`` a parameter (FSDP2's sharded parameters are DTensor parameters) gives
+    a new view of its local tensor at every call, even under ``no_grad``, so the node
+    never found the source it copied from last time and took a new view of every
+    parameter at every save (a walk of 788 tensors in one process, two runs each:
+    0.97-1.49 ms against 0.59-1.27 ms now).  Called once per tensor at every save,
+    inside a dict of tensors without a call of the walk's own in between."""
+    if node[3]:
+        if not isinstance(src, DTensor):
+            raise _Changed
+        placements = src._spec.placements
+        if placements is not node[6] and placements != node[6]:
+            raise _Changed
+        local = src._local_tensor
+    elif isinstance(src, torch.Tensor) and not isinstance(src, DTensor):
+        local = src
+    else:
+        raise _Changed
+    if local.shape != node[4] or local.dtype != node[5]:
+        raise _Changed
+    if local is not node[7] or local.data_ptr() != node[8]:
+        node[7], node[8], node[9] = local, local.data_ptr(), local.detach()
+    copies.append((node[2], node[9]))
+    return node[1]
 
 
 def touch(obj: Any) -> None:
