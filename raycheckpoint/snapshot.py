@@ -48,7 +48,7 @@ from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 
 from raycheckpoint._internal import faults
-from raycheckpoint._internal.staging import Staging, signature, tensor_bytes, touch
+from raycheckpoint._internal.staging import Staging, copy_tensors, signature, tensor_bytes, touch
 from raycheckpoint._internal.write_ahead import CopyOrder, CopyProgress, WriteAhead
 from raycheckpoint.dcp_io import HashingStorageWriter
 from raycheckpoint.dcp_save import ReusingSavePlanner, save_state
@@ -223,8 +223,7 @@ class ShardSaver:
             progress.copy(copies)
             return
         if ready is None:
-            for dst, src in copies:
-                dst.copy_(src)
+            copy_tensors(copies)
             return
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream()

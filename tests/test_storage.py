@@ -433,6 +433,7 @@ def test_a_block_is_written_while_its_copy_fills_it(tmp_path, monkeypatch):
     import torch
 
     from raycheckpoint import direct_io
+    from raycheckpoint._internal import write_ahead
     from raycheckpoint._internal.write_ahead import CopyFailed, CopyOrder
 
     if not _direct_supported(tmp_path):
@@ -465,23 +466,22 @@ def test_a_block_is_written_while_its_copy_fills_it(tmp_path, monkeypatch):
         assert order.apply(copies[:1]) is None and order.apply(copies[::-1]) is None
         # each copy waits for the test's go before the progress's own loop makes it
         go = [threading.Event() for _ in ordered]
+        index = {id(d): i for i, (d, _) in enumerate(ordered)}
 
-        class Gated:
-            def __init__(self, dst, i):
-                self.dst, self.i = dst, i
-
-            def copy_(self, src):
-                assert go[self.i].wait(20)
-                if fail and self.i == 1:
+        def gated(pairs):
+            for d, src in pairs:
+                i = index[id(d)]
+                assert go[i].wait(20)
+                if fail and i == 1:
                     raise RuntimeError("copy failed")
-                self.dst.copy_(src)
+                d.copy_(src)
 
-        gated = [(Gated(d, i), s) for i, (d, s) in enumerate(ordered)]
+        monkeypatch.setattr(write_ahead, "copy_tensors", gated)
         copy_error: list = []
 
         def copy() -> None:
             try:
-                progress.copy(gated)
+                progress.copy(ordered)
             except RuntimeError as e:
                 copy_error.append(e)
 

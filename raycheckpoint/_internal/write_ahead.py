@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from raycheckpoint._internal.staging import copy_tensors
 from raycheckpoint.direct_io import address
 
 log = logging.getLogger(__name__)
@@ -55,19 +56,16 @@ class CopyProgress:
     def copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Make ``copies`` (in the order :meth:`CopyOrder.apply` gave), telling the
         writers at each point; :meth:`finish` at the end, whatever happens."""
-        points = self._points
-        j, at = 0, points[0][0] if points else -1
         error = None
         try:
-            for i, (dst, src) in enumerate(copies):
-                dst.copy_(src)
-                if i == at:
-                    _, k, filled = points[j]
-                    with self._cond:
-                        self._filled[k] = filled
-                        self._cond.notify_all()
-                    j += 1
-                    at = points[j][0] if j < len(points) else -1
+            start = 0
+            for at, k, filled in self._points:  # the copies up to a point, then tell of it
+                copy_tensors(copies[start:at + 1])
+                start = at + 1
+                with self._cond:
+                    self._filled[k] = filled
+                    self._cond.notify_all()
+            copy_tensors(copies[start:])
         except BaseException as e:
             error = e
             raise
