@@ -229,7 +229,9 @@ class _BenchRank(CheckpointableWorker):
     def host_copy(self, fresh: bool = False) -> float:
         """Copy this rank's state into preallocated (or, with ``fresh``, new) host memory.
 
-        On a GPU: device-to-host into pinned buffers, one stream, waited for at the end.
+        On the CPU one ``torch._foreach_copy_`` for every tensor (a Python loop of
+        ``copy_`` costs ~1 µs a tensor more, which the saves no longer pay); on a GPU
+        device-to-host into pinned buffers, one stream, waited for at the end.
         """
         src = self._tensors()
         cuda = self.device.type == "cuda"
@@ -246,10 +248,12 @@ class _BenchRank(CheckpointableWorker):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for buf, t in zip(self._copy_buffers, src, strict=True):
-            buf.copy_(t, non_blocking=cuda)
         if cuda:
+            for buf, t in zip(self._copy_buffers, src, strict=True):
+                buf.copy_(t, non_blocking=True)
             torch.cuda.synchronize()
+        else:  # one call for every tensor, as raycheckpoint's own host copy makes it
+            torch._foreach_copy_(self._copy_buffers, src)
         return time.perf_counter() - t0
 
     def _raw_aligned(self) -> memoryview:
