@@ -523,7 +523,7 @@ class Storage:
         """``data`` (verified stored bytes of ``rel``) as plaintext: decrypted if encrypted."""
         from raycheckpoint.crypto import MAGIC, EncryptionKeyError
 
-        if not data.startswith(MAGIC):
+        if bytes(data[:len(MAGIC)]) != MAGIC:  # any buffer (bytes, bytearray, mmap)
             return data
         if self.cipher is None:
             raise EncryptionKeyError(f"{rel} is encrypted: set checkpoint.encryption_key (or "

@@ -20,6 +20,7 @@ from raycheckpoint.dcp_io import (
     VerifyingStorageReader,
     load_verified,
     overlapping_ranks,
+    receive_buffer,
 )
 from raycheckpoint.records import load_record, save_record
 from raycheckpoint.storage import Storage
@@ -40,6 +41,20 @@ def _save(storage):
     writer = HashingStorageWriter(storage, "step_00000001/actor")
     dcp.save(_state(), storage_writer=writer)
     return {e.path: e for e in writer.written}
+
+
+def test_a_file_read_whole_lands_in_zeroed_writable_memory_of_its_size():
+    """The memory an object's body streams into (``receive_buffer``) is as long as the
+    file, writable, zeroed, and lives as long as a view of it does."""
+    import gc
+
+    buf = receive_buffer(3 << 20)
+    assert len(buf) == 3 << 20 and buf.format == "B" and not buf.readonly
+    assert bytes(buf[::4096]) == bytes(len(buf[::4096]))
+    buf[-1] = 7
+    gc.collect()
+    assert buf[-1] == 7 and bytes(buf[:2]) == b"\0\0"
+    assert len(receive_buffer(0)) == 0
 
 
 def test_written_files_are_hashed_and_load_back(storage):
