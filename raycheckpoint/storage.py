@@ -519,11 +519,12 @@ class Storage:
                 progress.received = pos
             return size
 
-    def decrypted(self, rel: str, data: bytes | bytearray) -> bytes | bytearray:
+    def decrypted(self, rel: str, data: bytes | bytearray | memoryview
+                  ) -> bytes | bytearray | memoryview:
         """``data`` (verified stored bytes of ``rel``) as plaintext: decrypted if encrypted."""
         from raycheckpoint.crypto import MAGIC, EncryptionKeyError
 
-        if bytes(data[:len(MAGIC)]) != MAGIC:  # any buffer (bytes, bytearray, mmap)
+        if bytes(data[:len(MAGIC)]) != MAGIC:  # memoryview has no startswith
             return data
         if self.cipher is None:
             raise EncryptionKeyError(f"{rel} is encrypted: set checkpoint.encryption_key (or "
