@@ -336,17 +336,35 @@ def _recording(real, calls: list, reader=None):
     return call
 
 
+def _reads_by_thread(storage: Storage, monkeypatch) -> list[tuple[str, str]]:
+    """(file, thread name) of each whole-file read ``storage`` serves from now on."""
+    reads: list[tuple[str, str]] = []
+    real = storage.read_into
+
+    def read_into(rel, buf):
+        reads.append((rel, threading.current_thread().name))
+        return real(rel, buf)
+
+    monkeypatch.setattr(storage, "read_into", read_into)
+    return reads
+
+
 def test_prefetch_reads_the_named_ranks_files_only(storage, monkeypatch):
-    """The prefetch streams the files of the ranks asked for through the page cache (local
-    disk; an object store is not asked), and the load that follows reads and checks as
-    before."""
+    """The prefetch reads the files of the ranks asked for ahead of the load: through the
+    page cache on local disk, whole into memory from an object store, where the load then
+    takes them instead of reading them again.  The load reads and checks as before."""
     calls: list = []
     monkeypatch.setattr(os, "sendfile", _recording(_SENDFILE, calls))
+    reads = _reads_by_thread(storage, monkeypatch)
     expected, source = _two_file_checkpoint(storage, "multi")
     reader = VerifyingStorageReader(storage, "multi", expected)
     thread = reader.prefetch([1])
     if not storage.is_posix:
         assert thread is None and not calls
+        assert set(reader._fetched) == {"multi/__1_0.distcp"}
+        reader._fetched["multi/__1_0.distcp"].result(10)
+        assert [(rel, name.startswith("raycheckpoint-load-fetch")) for rel, name in reads] == [
+            ("multi/__1_0.distcp", True)]
     else:
         thread.join(10)
         path = os.path.realpath(storage.full_path("multi/__1_0.distcp"))
@@ -358,6 +376,41 @@ def test_prefetch_reads_the_named_ranks_files_only(storage, monkeypatch):
     load_verified(target, reader)
     assert torch.equal(target["model"]["w"], source["model"]["w"])
     assert torch.equal(target["model"]["b"], source["model"]["b"])
+    if not storage.is_posix:  # each file read once: the prefetched one taken, the other read
+        assert sorted(rel for rel, _ in reads) == ["multi/__0_0.distcp", "multi/__1_0.distcp"]
+        assert not reader._fetched
+
+
+@pytest.mark.s3
+def test_a_corrupt_file_prefetched_from_an_object_store_fails_the_load(s3_root, monkeypatch):
+    """A file prefetched whole is verified as the load's own read would verify it: the
+    load fails naming it.  The budget stops the prefetch before a file that would pass it,
+    and stop_prefetch drops a file the load never took."""
+    from raycheckpoint import dcp_io
+    from raycheckpoint.storage import StorageSpec
+
+    storage = StorageSpec(*s3_root).open()
+    expected, _ = _two_file_checkpoint(storage, "multi")
+    path = "multi/__1_0.distcp"
+    bad = bytearray(storage.read_bytes(path))
+    bad[len(bad) // 2] ^= 0xFF
+    storage.write_bytes(path, bytes(bad))
+    target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},
+              "optim": {"step": torch.tensor(0.0)}}
+    reader = VerifyingStorageReader(storage, "multi", expected)
+    reader.prefetch([0, 1])
+    assert set(reader._fetched) == {"multi/__0_0.distcp", path}
+    with pytest.raises(IntegrityError, match=re.escape(path)):
+        load_verified(target, reader)
+    assert not reader._fetched and reader._fetch_pool is None
+
+    sizes = [expected[f"multi/__{r}_0.distcp"].size for r in (0, 1)]
+    monkeypatch.setattr(dcp_io, "PARALLEL_READ_BYTES", sizes[0] + sizes[1] - 1)
+    reader = VerifyingStorageReader(storage, "multi", expected)
+    reader.prefetch([0, 1])
+    assert set(reader._fetched) == {"multi/__0_0.distcp"}
+    reader.stop_prefetch()
+    assert not reader._fetched and reader._fetch_pool is None
 
 
 def test_prefetch_stops_at_its_bound_when_told_and_without_sendfile(tmp_path, monkeypatch):
