@@ -166,3 +166,37 @@ def test_persist_priority_is_lowered_for_the_persist_thread_only(start, lower, e
     if before <= start:
         assert seen["thread"] == expected - start
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_once_call_lets_go_of_its_function(fails):
+    """The snapshot's ``named`` holds the reference to ``begin``'s answer it was lent;
+    once answered, nothing the early write's thread keeps may still hold it.  An error
+    is kept with its traceback (which holds the function's frame): the save fails then."""
+    import gc
+    import weakref
+
+    from raycheckpoint.snapshot import _Once
+
+    class Answer:
+        calls = 0
+
+        def __call__(self):
+            Answer.calls += 1
+            if fails:
+                raise OSError("begin failed")
+            return ("s1", "step_00000001")
+
+    fn = Answer()
+    alive = weakref.ref(fn)
+    once = _Once(fn)
+    del fn
+    for _ in range(2):  # the answer (or error) kept, the function called once
+        if fails:
+            with pytest.raises(OSError, match="begin failed"):
+                once()
+        else:
+            assert once() == ("s1", "step_00000001")
+    gc.collect()
+    assert Answer.calls == 1
+    assert (alive() is None) is not fails
