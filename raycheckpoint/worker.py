@@ -297,12 +297,15 @@ class CheckpointableWorker:
         expected = {p: FileEntry.from_dict(e) for p, e in request["files"].items()}
         kind = request["kind"]
         rel = request.get("rng_file") if kind == "full" else None
-        # the rank's small extra-state file is read beside the tensors, not after them
-        # (from S3 a round trip: ~20 ms of a resharded load here)
-        beside = None if rel is None else ThreadPoolExecutor(
+        # from an object store the rank's small extra-state file is read beside the
+        # tensors, not after them (a round trip: ~20 ms of a resharded load from moto);
+        # from local disk it is read after them, in this thread
+        beside = None if rel is None or saver.storage.is_posix else ThreadPoolExecutor(
             1, thread_name_prefix="raycheckpoint-load-extra")
         try:
-            extra_bytes = None if beside is None else beside.submit(saver.storage.read_bytes, rel)
+            extra_bytes: Future[bytes] | None = None
+            if beside is not None:
+                extra_bytes = beside.submit(saver.storage.read_bytes, rel)
             with torch.no_grad():  # as at a snapshot: the template's DTensors resolve cheaply
                 template = self.ckpt_state_dict(kind)
             if f"{request['dcp_dir']}/{DCP_METADATA}" in expected:
@@ -318,20 +321,22 @@ class CheckpointableWorker:
                                      path=request["dcp_dir"])
             skipped: list[str] = []
             if kind == "full":
-                skipped += self._load_extra(saver, request, expected, extra_bytes)
+                skipped += self._load_extra(saver, request, expected, rel, extra_bytes)
         finally:
             if beside is not None:
                 beside.shutdown(wait=False, cancel_futures=True)
         return {"role": self.ckpt_role, "rank": self.ckpt_rank, "skipped": skipped}
 
     def _load_extra(self, saver: ShardSaver, request: dict[str, Any],
-                    expected: dict[str, FileEntry], read: Future[bytes] | None) -> list[str]:
-        """Apply this rank's extra state and RNG, ``read`` from ``request["rng_file"]``."""
-        rel = request.get("rng_file")
-        if read is None:
+                    expected: dict[str, FileEntry], rel: str | None,
+                    read: Future[bytes] | None) -> list[str]:
+        """Apply this rank's extra state and RNG from file ``rel``: ``read`` where its
+        read was started beside the tensors, read here otherwise."""
+        if rel is None:
             return [f"{self.ckpt_role}/{self.ckpt_rank}: no saved rank state"]
         try:
-            data = read.result(timeout=request.get("wait_timeout_s", 1800.0))
+            data = (saver.storage.read_bytes(rel) if read is None
+                    else read.result(timeout=request.get("wait_timeout_s", 1800.0)))
         except FileNotFoundError as e:
             raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
         verify_bytes(rel, data, expected.get(rel), checksums=request["checksums"])
