@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from raycheckpoint._internal import faults, rpc
-from raycheckpoint.dcp_io import VerifyingStorageReader, load_verified, overlapping_ranks
+from raycheckpoint.dcp_read import VerifyingStorageReader, load_verified, overlapping_ranks
 from raycheckpoint.errors import CheckpointSaveError, IntegrityError
 from raycheckpoint.format import DCP_METADATA, unpack
 from raycheckpoint.integrity import verify_bytes

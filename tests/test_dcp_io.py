@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from raycheckpoint import IntegrityError
-from raycheckpoint.dcp_io import (
-    HashingStorageWriter,
+from raycheckpoint.dcp_io import HashingStorageWriter
+from raycheckpoint.dcp_read import (
     VerifyingStorageReader,
     load_verified,
     overlapping_ranks,
@@ -386,7 +386,7 @@ def test_a_corrupt_file_prefetched_from_an_object_store_fails_the_load(s3_root, 
     """A file prefetched whole is verified as the load's own read would verify it: the
     load fails naming it.  The budget stops the prefetch before a file that would pass it,
     and stop_prefetch drops a file the load never took."""
-    from raycheckpoint import dcp_io
+    from raycheckpoint import dcp_read
     from raycheckpoint.storage import StorageSpec
 
     storage = StorageSpec(*s3_root).open()
@@ -405,7 +405,7 @@ def test_a_corrupt_file_prefetched_from_an_object_store_fails_the_load(s3_root, 
     assert not reader._fetched and reader._fetch_pool is None
 
     sizes = [expected[f"multi/__{r}_0.distcp"].size for r in (0, 1)]
-    monkeypatch.setattr(dcp_io, "PARALLEL_READ_BYTES", sizes[0] + sizes[1] - 1)
+    monkeypatch.setattr(dcp_read, "PARALLEL_READ_BYTES", sizes[0] + sizes[1] - 1)
     reader = VerifyingStorageReader(storage, "multi", expected)
     reader.prefetch([0, 1])
     assert set(reader._fetched) == {"multi/__0_0.distcp"}
@@ -417,13 +417,13 @@ def test_prefetch_stops_at_its_bound_when_told_and_without_sendfile(tmp_path, mo
     """Each file is read in steps up to PREFETCH_BYTES; stop_prefetch ends it after the
     current step; where sendfile is refused, the kernel is asked step by step instead (one
     POSIX_FADV_WILLNEED call reads no more than the readahead window)."""
-    import raycheckpoint.dcp_io as dcp_io
+    import raycheckpoint.dcp_read as dcp_read
 
     storage = Storage(str(tmp_path))
     expected, _ = _two_file_checkpoint(storage, "multi")
     size = os.path.getsize(storage.full_path("multi/__0_0.distcp"))
-    monkeypatch.setattr(dcp_io, "PREFETCH_STEP", 1024)
-    monkeypatch.setattr(dcp_io, "PREFETCH_BYTES", 3 * 1024)
+    monkeypatch.setattr(dcp_read, "PREFETCH_STEP", 1024)
+    monkeypatch.setattr(dcp_read, "PREFETCH_BYTES", 3 * 1024)
     assert size > 4 * 1024
 
     sent: list = []
@@ -499,11 +499,11 @@ def test_a_large_rank_keeps_its_small_items_in_a_file_of_their_own(storage, monk
 def test_files_read_into_memory_in_parallel_stay_within_the_budget(storage, monkeypatch):
     """Mapped files cost no memory to read at once; files read into memory (object stores,
     encryption) do, and are read one at a time once two would pass PARALLEL_READ_BYTES."""
-    from raycheckpoint import dcp_io
+    from raycheckpoint import dcp_read
 
     expected, source = _two_file_checkpoint(storage, "multi")
     largest = max(e.size for e in expected.values())
-    monkeypatch.setattr(dcp_io, "PARALLEL_READ_BYTES", 2 * largest - 1)
+    monkeypatch.setattr(dcp_read, "PARALLEL_READ_BYTES", 2 * largest - 1)
     reader = _RecordingReader(storage, "multi", expected, parallel_files=4)
     reader.threads = {}
     target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},

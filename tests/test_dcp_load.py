@@ -22,13 +22,14 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from raycheckpoint import digest
-from raycheckpoint.dcp_io import HashingStorageWriter, VerifyingStorageReader, load_verified
+from raycheckpoint.dcp_io import HashingStorageWriter
 from raycheckpoint.dcp_load import (
     LayoutCachingLoadPlanner,
     contiguous_span,
     copy_run,
     local_load_plan,
 )
+from raycheckpoint.dcp_read import VerifyingStorageReader, load_verified
 from raycheckpoint.storage import FileEntry, Storage
 
 pytestmark = pytest.mark.timeout(240)
