@@ -110,6 +110,31 @@ def disarm(group: list[Any]) -> None:
     ray.get([w.disarm_faults.remote() for w in group], timeout=RPC_TIMEOUT)
 
 
+@ray.remote(num_cpus=0)
+class Reports:
+    """A coordinator stand-in for workers called in one process: it keeps the reports
+    their persists send (``take`` hands them over, with each file's path; ``entries``
+    gives one save's file entries, as the manifest would list them)."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple] = []
+
+    def report(self, save_id, role, rank, files, error, persist_s) -> None:
+        self.reports.append((save_id, role, rank, files, error))
+
+    def take(self) -> list[tuple]:
+        reports, self.reports = self.reports, []
+        return [(s, role, rank, [f["path"] for f in files], error)
+                for s, role, rank, files, error in reports]
+
+    def entries(self, save_id: str) -> tuple[list[dict], str | None]:
+        """The file entries and the error of save ``save_id``'s (last) report."""
+        for s, _, _, files, error in reversed(self.reports):
+            if s == save_id:
+                return files, error
+        raise KeyError(save_id)
+
+
 class TinyWorker:
     """In one process (no Ray actor): a small MLP with AdamW, its optimizer state built by
     one step, set up as rank 0 of role ``actor``; for tests that call the

@@ -19,22 +19,9 @@ import torch
 from raycheckpoint._internal import faults
 from raycheckpoint.storage import Storage
 from raycheckpoint.worker import CheckpointableWorker
-from tests.helpers import RPC_TIMEOUT, TinyWorker
+from tests.helpers import RPC_TIMEOUT, Reports, TinyWorker
 
 SLOW_S = 1.0
-
-
-@ray.remote(num_cpus=0)
-class _Reports:
-    def __init__(self) -> None:
-        self.reports: list[tuple] = []
-
-    def report(self, save_id, role, rank, files, error, persist_s) -> None:
-        self.reports.append((save_id, role, rank, [f["path"] for f in files], error))
-
-    def take(self) -> list[tuple]:
-        reports, self.reports = self.reports, []
-        return reports
 
 
 @ray.remote(num_cpus=0)
@@ -60,7 +47,7 @@ def _persist(w: _Worker, save_id: str) -> None:
 
 @pytest.fixture(scope="module")
 def reports(ray_session):
-    actor = _Reports.remote()
+    actor = Reports.remote()
     yield actor
     ray.kill(actor)
 

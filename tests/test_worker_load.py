@@ -13,21 +13,7 @@ import torch
 from raycheckpoint.format import rng_file
 from raycheckpoint.state import capture_rng, restore_rng
 from raycheckpoint.worker import CheckpointableWorker
-from tests.helpers import RPC_TIMEOUT, TinyWorker
-
-
-@ray.remote(num_cpus=0)
-class _Files:
-    """A coordinator stand-in that keeps each report's file entries."""
-
-    def __init__(self) -> None:
-        self.reports: dict[str, tuple[list[dict], str | None]] = {}
-
-    def report(self, save_id, role, rank, files, error, persist_s) -> None:
-        self.reports[save_id] = (files, error)
-
-    def get(self, save_id: str) -> tuple[list[dict], str | None]:
-        return self.reports[save_id]
+from tests.helpers import RPC_TIMEOUT, Reports, TinyWorker
 
 
 class _Worker(TinyWorker, CheckpointableWorker):
@@ -40,7 +26,7 @@ class _Worker(TinyWorker, CheckpointableWorker):
 
 @pytest.fixture
 def files_actor(ray_session):
-    actor = _Files.remote()
+    actor = Reports.remote()
     yield actor
     ray.kill(actor)
 
@@ -54,7 +40,7 @@ def test_the_rng_file_is_read_beside_the_tensors_only_from_an_object_store(
     w.ckpt_snapshot_begun({"save_id": "s1", "name": "step_00000001", "reused": []}, "full")
     w.ckpt_start_persist("s1")
     w._saver().pending.wait(RPC_TIMEOUT)
-    files, error = ray.get(files_actor.get.remote("s1"), timeout=RPC_TIMEOUT)
+    files, error = ray.get(files_actor.entries.remote("s1"), timeout=RPC_TIMEOUT)
     assert error is None
     rng = f"step_00000001/{rng_file('actor', 0)}"
     entries = {f["path"]: f for f in files}
