@@ -148,7 +148,6 @@ class _Once:
                 except BaseException as e:  # noqa: BLE001 - raised to every caller
                     self._error = e
                 self._called = True
-                del fn
         if self._error is not None:
             raise self._error
         return self._value

@@ -303,9 +303,7 @@ class CheckpointableWorker:
         beside = None if rel is None or saver.storage.is_posix else ThreadPoolExecutor(
             1, thread_name_prefix="raycheckpoint-load-extra")
         try:
-            extra_bytes: Future[bytes] | None = None
-            if beside is not None:
-                extra_bytes = beside.submit(saver.storage.read_bytes, rel)
+            extra_bytes = None if beside is None else beside.submit(saver.storage.read_bytes, rel)
             with torch.no_grad():  # as at a snapshot: the template's DTensors resolve cheaply
                 template = self.ckpt_state_dict(kind)
             if f"{request['dcp_dir']}/{DCP_METADATA}" in expected:
