@@ -229,3 +229,24 @@ def test_the_projection_never_calibrates_a_method_below_the_machines_limit():
     assert got == {"stall_over_host_copy": 1.0, "durable_over_raw_write": pytest.approx(1.2),
                    "verl_over_raw_write": 1.0, "rank0_over_raw_write": pytest.approx(1.5),
                    "commit_overhead_256_s": 0.02}
+
+
+def test_the_bench_s3_server_runs_below_the_ranks_and_serves():
+    """moto's server shares the ranks' cores here, where a cluster's object store would
+    not: it runs at the lowest priority, and still answers."""
+    pytest.importorskip("moto")
+    import fsspec
+
+    from bench.save_latency import MotoProcess
+
+    server = MotoProcess()
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, server._proc.pid) == 19
+        fs = fsspec.filesystem("s3", endpoint_url=server.endpoint, key="k", secret="s",
+                               skip_instance_cache=True)
+        fs.mkdir("bench")
+        fs.pipe("bench/x", b"payload")
+        assert fs.cat("bench/x") == b"payload"
+    finally:
+        server.stop()
+    assert server._proc.poll() is not None
