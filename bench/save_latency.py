@@ -445,8 +445,8 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
     """A training step alone, and while a background persist runs: raycheckpoint's, and
     (side by side) DCP ``async_save``'s with a kept stager.  Each save follows a step
     alone, so the steps alone and beside a persist face the machine as it is then (it is
-    shared: measured in blocks, ten steps alone then the saves, the two sides drifted
-    apart by more than the effect).
+    shared: measured in blocks, five steps alone before the saves and five after, the two
+    sides drifted apart by more than the effect).
 
     Then the same saves with ``overlap_copy``: training is blocked for the snapshot call
     plus what the next optimizer step waits for the copy (``overlap_stall_s``), and that
