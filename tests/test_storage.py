@@ -541,3 +541,49 @@ def test_a_block_is_written_while_its_copy_fills_it(tmp_path, monkeypatch):
     outcome, _, hashed, w = run("s/failed.bin", fail=True)
     assert isinstance(outcome[0], CopyFailed) and w.error is outcome[0]
     assert w._direct._in_flight is None and not hashed
+
+
+def test_an_early_write_never_waits_for_its_hashing(tmp_path, monkeypatch):
+    """Once a block is filled, its chunks are all queued to the device, and hashing runs
+    beside the queued writes: the disk is never left idle while the writing thread
+    hashes.  Here each hash waits until every chunk has been written; a writer that
+    hashed between two writes would hold up the writes it has not yet handed on."""
+    import mmap
+    import os
+    import threading
+
+    from raycheckpoint import direct_io
+
+    if not _direct_supported(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT")
+    chunks = 4
+    n = chunks * direct_io.DIRECT_CHUNK
+    block = mmap.mmap(-1, n)
+    data = os.urandom(1 << 20) * (n >> 20)
+    block.write(data)
+    done = []
+    all_written = threading.Event()
+    real_write_out = direct_io.DirectFile._write_out
+
+    def counting(self, buf, length):
+        real_write_out(self, buf, length)
+        done.append(length)
+        if len(done) == chunks:
+            all_written.set()
+
+    monkeypatch.setattr(direct_io.DirectFile, "_write_out", counting)
+    w = Storage(str(tmp_path)).open_write("s/early.bin", direct=True)
+    real_hasher = w._direct._hasher
+    waited: list[bool] = []
+
+    class AfterTheWrites:
+        def update(self, piece):
+            waited.append(all_written.wait(5))
+            real_hasher.update(piece)
+
+    w._direct._hasher = AfterTheWrites()
+    assert w.write_as_filled(memoryview(block), lambda k: None, lambda wait: True) == n
+    entry = w.close()
+    assert waited == [True] * chunks
+    assert (tmp_path / "s" / "early.bin").read_bytes() == data
+    assert entry.digest == digest.of(data, "blake3") and entry.size == n
