@@ -150,16 +150,16 @@ class DirectFile:
         return whole
 
     def write_as_filled(self, view: memoryview, filled: Callable[[int], None],
-                        may_hash: Callable[[bool], bool]) -> None:
+                        hashing: Callable[[], None]) -> None:
         """Write ``view``, a page-aligned block that a host copy is filling front to back
         while this runs, as its bytes become final: the file's write overlaps the copy.
 
         ``filled(n)`` blocks until ``view``'s first ``n`` bytes are final (it raises if
         the copy failed).  Each whole chunk, once final, is queued to the file's writer
         thread, which writes the chunks straight from ``view`` one after another.
-        Hashing waits until ``may_hash(True)`` says so (the copy over, and the rank free
-        to spend a core on it), then runs here while the queued writes go out: no write
-        waits for it.  Hashing two chunks between two writes instead, as this did before,
+        Hashing waits until ``hashing()`` returns (it blocks until the copy is over and
+        the rank is free to spend a core on it), then runs here while the queued writes
+        go out: no write waits for it.  Hashing two chunks between two writes instead, as this did before,
         left the disk idle whenever the hashing took longer than the write in flight (9
         of the 93 ms a 120 MB file's writes took).  The file so far must be a whole
         number of pages, nothing waiting in a buffer.  Returns once every write from
@@ -182,7 +182,7 @@ class DirectFile:
                 queued.append(self._writer.submit(self._write_out, view[at:end], end - at))
             filled(n)
             if self._hasher is not None:
-                may_hash(True)
+                hashing()
                 for at in range(0, whole, DIRECT_CHUNK):
                     self._hasher.update(view[at:min(at + DIRECT_CHUNK, whole)])
             for future in queued:  # they write from the caller's memory: over before returning
@@ -191,10 +191,7 @@ class DirectFile:
         except BaseException:
             for future in queued:
                 future.cancel()
-            for future in queued:
-                if not future.cancelled():
-                    future.exception()  # over: the block is the caller's again
-            self.abort()
+            self.abort()  # its writer's shutdown waits for the write running from the block
             raise
         if whole < n:  # the last partial page, through a buffer (hashed with it)
             self.write([view[whole:]])

@@ -245,19 +245,19 @@ class HashingWriter:
         return total
 
     def write_as_filled(self, block: memoryview, filled: Callable[[int], None],
-                        may_hash: Callable[[bool], bool]) -> int:
+                        hashing: Callable[[], None]) -> int:
         """Write ``block`` while a host copy fills it front to back (``filled``,
-        ``may_hash``: see :meth:`~raycheckpoint.direct_io.DirectFile.write_as_filled`):
+        ``hashing``: see :meth:`~raycheckpoint.direct_io.DirectFile.write_as_filled`):
         with ``O_DIRECT`` each chunk goes out once final; elsewhere the whole block once
         it may be hashed.  Returns the bytes written."""
         view = memoryview(block).cast("B")
         faults.check("storage.write", path=self.rel)
         if self._direct is None or self._encryptor is not None or self._pos:
             filled(view.nbytes)
-            may_hash(True)
+            hashing()
             return self.write_many([view])
         try:
-            self._direct.write_as_filled(view, filled, may_hash)
+            self._direct.write_as_filled(view, filled, hashing)
         except Exception as e:
             self.error = self.error or e
             raise

@@ -502,7 +502,7 @@ def test_a_block_is_written_while_its_copy_fills_it(tmp_path, monkeypatch):
         def write() -> None:
             try:
                 outcome.append(w.write_as_filled(view, lambda k: progress.wait(0, k, 30),
-                                                 lambda wait: progress.may_hash(wait, 30)))
+                                                 lambda: progress.wait_hashing(30)))
                 w.close()
             except BaseException as e:  # noqa: BLE001 - the test reads it
                 outcome.append(e)
@@ -582,7 +582,7 @@ def test_an_early_write_never_waits_for_its_hashing(tmp_path, monkeypatch):
             real_hasher.update(piece)
 
     w._direct._hasher = AfterTheWrites()
-    assert w.write_as_filled(memoryview(block), lambda k: None, lambda wait: True) == n
+    assert w.write_as_filled(memoryview(block), lambda k: None, lambda: None) == n
     entry = w.close()
     assert waited == [True] * chunks
     assert (tmp_path / "s" / "early.bin").read_bytes() == data

@@ -103,13 +103,11 @@ class CopyProgress:
         self._until(lambda: self._over or self._filled[k] >= n,
                     "the host copy still filling a block", timeout)
 
-    def may_hash(self, wait: bool, timeout: float) -> bool:
-        """Whether the copy is over and hashing released; ``wait``: block until so."""
-        if wait:
-            self._until(lambda: self._over and self._released,
-                        "hashing a data file written early not released", timeout)
-        with self._cond:
-            return self._over and self._released and self._error is None
+    def wait_hashing(self, timeout: float) -> None:
+        """Block until the copy is over and hashing released.  Raises
+        :class:`CopyFailed` if the copy failed, ``TimeoutError`` after ``timeout``."""
+        self._until(lambda: self._over and self._released,
+                    "hashing a data file written early not released", timeout)
 
 
 class CopyOrder:
@@ -199,7 +197,7 @@ class WriteAhead:
                 rel = f"{where}/{file_name}"
                 with storage.open_write(rel, encrypt=True, direct=True) as w:
                     w.write_as_filled(view, lambda n, k=k: self.progress.wait(k, n, self.timeout_s),
-                                      lambda wait: self.progress.may_hash(wait, self.timeout_s))
+                                      lambda: self.progress.wait_hashing(self.timeout_s))
                 self.written[rel] = (view, w.close())
         except BaseException as e:  # noqa: BLE001 - the file is written by the usual path then
             self.error = e
