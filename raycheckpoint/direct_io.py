@@ -159,9 +159,9 @@ class DirectFile:
         thread, which writes the chunks straight from ``view`` one after another.
         Hashing waits until ``hashing()`` returns (it blocks until the copy is over and
         the rank is free to spend a core on it), then runs here while the queued writes
-        go out: no write waits for it.  Hashing two chunks between two writes instead, as this did before,
-        left the disk idle whenever the hashing took longer than the write in flight (9
-        of the 93 ms a 120 MB file's writes took).  The file so far must be a whole
+        go out: no write waits for it.  Hashing between two writes, with one write in
+        flight, would leave the disk idle whenever a hash outlasts that write (9 of the
+        93 ms a 120 MB file's writes took, measured).  The file so far must be a whole
         number of pages, nothing waiting in a buffer.  Returns once every write from
         ``view`` is over.
         """
