@@ -40,11 +40,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from raycheckpoint.direct_io import DIRECT_ALIGN, O_DIRECT
+from raycheckpoint.storage.direct_io import DIRECT_ALIGN, O_DIRECT
 from raycheckpoint.worker import (
     CheckpointableWorker,
     StateDictCache,
-    _local_tensors,
+    local_tensors,
     optimizer_state_dict,
 )
 from workers.group import init_process_group
@@ -98,7 +98,7 @@ class BenchLM(nn.Module):
 
 def digest(state: dict[str, Any]) -> str:
     h = hashlib.sha256()
-    for path, t in sorted(_local_tensors(state).items()):
+    for path, t in sorted(local_tensors(state).items()):
         h.update(path.encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
@@ -169,7 +169,7 @@ class _BenchRank(CheckpointableWorker):
 
     def ready(self) -> dict[str, Any]:
         return {"rank": self.rank, "bytes": self.state_bytes(),
-                "tensors": len(_local_tensors(self.state())), "device": str(self.device),
+                "tensors": len(local_tensors(self.state())), "device": str(self.device),
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "placement_group": ray.get_runtime_context().get_placement_group_id()}
 
@@ -193,7 +193,7 @@ class _BenchRank(CheckpointableWorker):
                 "optim": optimizer_state_dict(self.net, self.optim)}
 
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in _local_tensors(self.state()).values())
+        return sum(t.numel() * t.element_size() for t in local_tensors(self.state()).values())
 
     def local_digest(self) -> str:
         return digest(self.state())
@@ -208,7 +208,7 @@ class _BenchRank(CheckpointableWorker):
     def perturb(self) -> None:
         """Change the state, so a load that does nothing cannot look like a correct one."""
         with torch.no_grad():
-            for t in _local_tensors(self.state()).values():
+            for t in local_tensors(self.state()).values():
                 if t.is_floating_point():
                     t.add_(1.0)
 
@@ -223,7 +223,7 @@ class _BenchRank(CheckpointableWorker):
     # ---- the machine's limits --------------------------------------------------------------
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [t for _, t in sorted(_local_tensors(self.state()).items())]
+        return [t for _, t in sorted(local_tensors(self.state()).items())]
 
     @torch.no_grad()  # a bare copy: no autograd bookkeeping for parameters that need grad
     def host_copy(self, fresh: bool = False) -> float:

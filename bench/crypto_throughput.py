@@ -16,8 +16,8 @@ import statistics
 import tempfile
 import time
 
-from raycheckpoint import digest
-from raycheckpoint.crypto import ChunkEncryptor, FileCipher
+from raycheckpoint.integrity import digest
+from raycheckpoint.integrity.crypto import ChunkEncryptor, FileCipher
 from raycheckpoint.storage import Storage
 
 CHUNK = 8 << 20

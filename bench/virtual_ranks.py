@@ -5,7 +5,7 @@
 A few host actors each play many ranks.  Per save, every virtual rank writes its own
 shard file through :class:`~raycheckpoint.storage.Storage` (streamed sha256, fsync on
 local disk) and sends its own ``report`` to the real
-:class:`~raycheckpoint.coordinator.CheckpointCoordinator` actor, exactly as a worker's
+:class:`~raycheckpoint.protocol.coordinator.CheckpointCoordinator` actor, exactly as a worker's
 persist thread does; the coordinator then runs its real barrier, merges the reports
 into the manifest and commits (trainer_state, version, manifest, COMMITTED, LATEST,
 catalog, retention).  The shards hold bytes, not tensors: this measures coordination,
@@ -31,9 +31,8 @@ from typing import Any
 
 import ray
 
-from raycheckpoint import CheckpointConfig
-from raycheckpoint.manager import _start_coordinator
-from raycheckpoint.resume import verify_checkpoint
+from raycheckpoint import CheckpointConfig, verify_checkpoint
+from raycheckpoint.protocol import coordinator as checkpoint_coordinator
 from raycheckpoint.storage import StorageSpec
 
 TIMEOUT_S = 1800.0
@@ -75,7 +74,7 @@ def run_virtual(counts: list[int], storage: Any, *, hosts: int = 4, shard_bytes:
         spec = StorageSpec(storage.url(f"virtual-{n}"), dict(storage.options))
         config = CheckpointConfig(save_dir=spec.uri, storage_options=spec.options, keep_last_n=2,
                                   publish_metrics=False, lease=False, commit_timeout_s=TIMEOUT_S)
-        coordinator = _start_coordinator(spec, config, None)
+        coordinator = checkpoint_coordinator.start(spec, config, None)
         per_host = [list(range(h, n, hosts)) for h in range(min(hosts, n))]
         actors = [VirtualRankHost.remote(spec, ranks, shard_bytes) for ranks in per_host]
         ray.get([a.ready.remote() for a in actors], timeout=TIMEOUT_S)

@@ -38,8 +38,8 @@ from raycheckpoint import (
     ResumableSampler,
     Storage,
 )
+from raycheckpoint.policy.triggers import PreemptionFlag, SaveTriggers
 from raycheckpoint.resume import preflight
-from raycheckpoint.triggers import PreemptionFlag, SaveTriggers
 from workers.group import Placement, place_ranks, start_ranks
 from workers.models import BOS, encode
 from workers.roles import CriticWorker, PolicyWorker, RewardWorker

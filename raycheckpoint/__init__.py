@@ -4,13 +4,13 @@ Public API::
 
     from raycheckpoint import CheckpointConfig, CheckpointManager, CheckpointableWorker
 
-See DESIGN section 6 for the module map.
+The module map is ``docs/ARCHITECTURE.md``.
 """
-
-__version__ = "0.2.0"
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from raycheckpoint._version import __version__
 
 # Names are imported on first use, so tools that only read storage (the ``raycheckpoint``
 # command) start without importing Ray or torch.
@@ -27,10 +27,10 @@ _EXPORTS = {
     "LeaseLostError": "raycheckpoint.errors",
     "RayCheckpointError": "raycheckpoint.errors",
     "CheckpointManager": "raycheckpoint.manager",
-    "LoadResult": "raycheckpoint.manager",
-    "SaveHandle": "raycheckpoint.manager",
-    "verify_checkpoint": "raycheckpoint.resume",
-    "RetentionPolicy": "raycheckpoint.retention",
+    "LoadResult": "raycheckpoint.loader",
+    "SaveHandle": "raycheckpoint.save_handle",
+    "verify_checkpoint": "raycheckpoint.protocol.checkpoint",
+    "RetentionPolicy": "raycheckpoint.policy.retention",
     "ResumableSampler": "raycheckpoint.state",
     "capture_rng": "raycheckpoint.state",
     "restore_rng": "raycheckpoint.state",
@@ -63,9 +63,11 @@ if TYPE_CHECKING:
         LightCheckpointError,
         RayCheckpointError,
     )
-    from raycheckpoint.manager import CheckpointManager, LoadResult, SaveHandle
-    from raycheckpoint.resume import verify_checkpoint
-    from raycheckpoint.retention import RetentionPolicy
+    from raycheckpoint.loader import LoadResult
+    from raycheckpoint.manager import CheckpointManager
+    from raycheckpoint.policy.retention import RetentionPolicy
+    from raycheckpoint.protocol.checkpoint import verify_checkpoint
+    from raycheckpoint.save_handle import SaveHandle
     from raycheckpoint.state import ResumableSampler, capture_rng, restore_rng
     from raycheckpoint.storage import Storage, StorageSpec
     from raycheckpoint.worker import CheckpointableWorker

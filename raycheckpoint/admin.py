@@ -17,25 +17,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from raycheckpoint import catalog
-from raycheckpoint.crypto import EncryptionKeyError
 from raycheckpoint.errors import CheckpointNotFoundError, LeaseHeldError, RayCheckpointError
-from raycheckpoint.format import (
-    CATALOG,
-    TAGS_DIR,
-    json_bytes,
-    parse_step_dir,
-    validate_tag,
-)
-from raycheckpoint.integrity import verify_file
-from raycheckpoint.lease import read_lease
-from raycheckpoint.resume import (
-    VerifiedCheckpoint,
-    open_verified,
-    resolve,
-    resume_differences,
-    split_path_ref,
-)
+from raycheckpoint.integrity.crypto import EncryptionKeyError
+from raycheckpoint.integrity.verify import verify_files
+from raycheckpoint.policy.retention import RetentionPolicy, RetentionRules
+from raycheckpoint.protocol import catalog
+from raycheckpoint.protocol.checkpoint import VerifiedCheckpoint, open_verified, summary
+from raycheckpoint.protocol.collect import Collector
+from raycheckpoint.protocol.lease import read_lease
+from raycheckpoint.protocol.paths import CATALOG, parse_step_dir, tag_path, validate_tag
+from raycheckpoint.protocol.refs import resolve, split_path_ref
+from raycheckpoint.protocol.root import RootState
+from raycheckpoint.resume import resume_differences
 from raycheckpoint.storage import Storage
 
 
@@ -45,7 +38,7 @@ def open_root(uri: str, options: dict[str, Any] | None = None, *, key: str | Non
     reference (``env:NAME`` / ``file:PATH``) to read encrypted checkpoints with."""
     cipher = None
     if key is not None:
-        from raycheckpoint.crypto import FileCipher, load_key
+        from raycheckpoint.integrity.crypto import FileCipher, load_key
 
         cipher = FileCipher(load_key(key))
     if "://" not in uri or uri.startswith("file://"):
@@ -201,11 +194,9 @@ def verify(ref: str, options: dict[str, Any] | None = None, *, step: int | None 
     for name, ck, error in plans:
         entry: dict[str, Any] = {"name": name}
         if ck is not None:
-            entry.update(step=ck.step, kind=ck.kind, files=len(ck.manifest.files),
-                         bytes=ck.manifest.total_bytes)
+            entry.update(summary(ck))
             try:
-                for path in sorted(ck.manifest.files):
-                    verify_file(storage, path, ck.manifest.files[path], progress)
+                verify_files(storage, ck.manifest.files, progress)
             except RayCheckpointError as e:
                 error = e
         entry["ok"] = error is None
@@ -229,9 +220,6 @@ def verify(ref: str, options: dict[str, Any] | None = None, *, step: int | None 
 
 # ---- gc ---------------------------------------------------------------------------------------
 
-RETENTION_KEYS = ("keep_last_n", "keep_last_n_light", "keep_best_n", "best_metric", "best_mode")
-
-
 def recorded_retention(storage: Storage) -> dict[str, Any] | None:
     """The retention rules the job recorded in its newest readable checkpoint."""
     markers, _ = catalog.scan(storage)
@@ -241,7 +229,7 @@ def recorded_retention(storage: Storage) -> dict[str, Any] | None:
         except RayCheckpointError:
             continue
         if isinstance(ck.trainer_state.get("retention"), dict):
-            return {k: ck.trainer_state["retention"].get(k) for k in RETENTION_KEYS}
+            return {k: ck.trainer_state["retention"].get(k) for k in RetentionRules.option_names()}
     return None
 
 
@@ -249,11 +237,9 @@ def gc(root: str, options: dict[str, Any] | None = None, *, dry_run: bool = Fals
        leftover_grace_s: float = 3600.0, overrides: dict[str, Any] | None = None,
        force: bool = False) -> dict[str, Any]:
     """Apply the retention rules (the job's recorded ones, then ``overrides``) and collect
-    leftovers; the same code the coordinator runs.  Refused while a job holds the root's
-    lease (its coordinator applies retention itself) unless ``force``."""
-    from raycheckpoint.config import CheckpointConfig
-    from raycheckpoint.coordinator import CheckpointCoordinator
-
+    leftovers: the coordinator's own :class:`~raycheckpoint.protocol.collect.Collector`.
+    Refused while a job holds the root's lease (its coordinator applies retention
+    itself) unless ``force``."""
     storage = open_root(root, options)
     lease = read_lease(storage)
     if lease is not None and lease.fresh() and not dry_run and not force:
@@ -262,10 +248,8 @@ def gc(root: str, options: dict[str, Any] | None = None, *, dry_run: bool = Fals
                              "--force to collect anyway.", holder=lease.job_name)
     recorded = recorded_retention(storage)
     rules = {**(recorded or {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
-    config = CheckpointConfig(save_dir=root, storage_options=dict(options or {}),
-                              **{k: v for k, v in rules.items() if v is not None})
-    coordinator = CheckpointCoordinator(storage.spec, config, recover=False)
-    report = coordinator.gc(dry_run=dry_run, leftover_grace_s=leftover_grace_s)
+    policy = RetentionPolicy(**{k: v for k, v in rules.items() if v is not None})
+    report = Collector(RootState(storage), policy).recover(dry_run=dry_run, grace_s=leftover_grace_s)
     report.update(dry_run=dry_run, root=storage.url(), rules=rules,
                   rules_source="recorded by the job" if recorded else "command line only",
                   leftover_grace_s=leftover_grace_s)
@@ -276,7 +260,7 @@ def gc(root: str, options: dict[str, Any] | None = None, *, dry_run: bool = Fals
 
 def _rewrite_catalog(storage: Storage) -> None:
     markers, _ = catalog.scan(storage)
-    storage.write_pointer(CATALOG, json_bytes(catalog.catalog_doc(markers, catalog.read_tags(storage))))
+    catalog.write_catalog(storage, markers, catalog.read_tags(storage))
 
 
 def tag(ref: str, name: str, options: dict[str, Any] | None = None, *, step: int | None = None,
@@ -287,7 +271,7 @@ def tag(ref: str, name: str, options: dict[str, Any] | None = None, *, step: int
     existing = catalog.read_tags(storage).get(name)
     if existing is not None and existing != target and not force:
         raise ValueError(f"tag {name!r} already points to {existing}; pass --force to move it")
-    storage.write_pointer(f"{TAGS_DIR}/{name}", (target + "\n").encode())
+    catalog.write_tag(storage, name, target)
     _rewrite_catalog(storage)
     return {"root": storage.url(), "tag": name, "checkpoint": target, "previous": existing}
 
@@ -299,7 +283,7 @@ def untag(root: str, name: str, options: dict[str, Any] | None = None) -> dict[s
         raise CheckpointNotFoundError(
             f"no tag {name!r} under {storage.url()}; tags: "
             + (", ".join(f"{t} -> {n}" for t, n in sorted(tags.items())) or "none"), ref=name)
-    storage.delete(f"{TAGS_DIR}/{name}")
+    storage.delete(tag_path(name))
     _rewrite_catalog(storage)
     return {"root": storage.url(), "tag": name, "checkpoint": tags[name]}
 

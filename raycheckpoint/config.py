@@ -14,9 +14,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from raycheckpoint import digest
+from raycheckpoint.integrity import digest
+from raycheckpoint.policy.retention import RetentionRules
 
-BestMode = Literal["max", "min"]
 ResumeMode = Literal["auto", "disable", "path"]
 
 # Alternative spellings accepted by from_dict -> canonical field name.
@@ -32,14 +32,19 @@ ALIASES: dict[str, str] = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
-    """Options of one job's checkpointing.  See DESIGN section 5 for the rules."""
+class CheckpointConfig(RetentionRules):
+    """Options of one job's checkpointing.  See DESIGN section 5 for the rules.
+
+    The retention options (``keep_last_n``, ``keep_last_n_light``, ``keep_best_n``,
+    ``best_metric``, ``best_mode``) are those of
+    :class:`~raycheckpoint.policy.retention.RetentionRules`, defined there once.
+    """
 
     save_dir: str
     storage_options: dict[str, Any] = field(default_factory=dict)
     job_name: str = "default"
 
-    # triggers (driven by the training loop; see triggers.py)
+    # triggers (driven by the training loop; see policy/triggers.py)
     save_interval: int | None = None
     save_full_interval: int | None = None
     save_every_minutes: float | None = None
@@ -48,15 +53,8 @@ class CheckpointConfig:
     save_on_train_end: bool = True
     save_on_preemption: bool = True
 
-    # retention
-    keep_last_n: int | None = None
-    keep_last_n_light: int | None = None
-    keep_best_n: int | None = None
-    best_metric: str = "reward"
-    best_mode: BestMode = "max"
-
     # storage: transient failures (connection drops, throttling, 5xx) are retried with
-    # exponential backoff this many times per operation (see storage.py)
+    # exponential backoff this many times per operation (see storage/base.py)
     storage_retries: int = 5
     # local storage: each shard's data files are written with O_DIRECT (no page cache: the
     # kernel neither copies nor keeps their bytes) where the filesystem allows it
@@ -71,7 +69,7 @@ class CheckpointConfig:
     # integrity / security: every file's checksum is written; enable_checksum=False skips
     # checking the shards' checksums on load (sizes and metadata are always checked).
     # checksum_algorithm "blake3" (format 2) or "sha256" (format 1's: such checkpoints
-    # stay readable by releases that read format 1); see digest.py
+    # stay readable by releases that read format 1); see integrity/digest.py
     enable_checksum: bool = True
     checksum_algorithm: str = "blake3"
     encryption_key: str | None = None
@@ -81,7 +79,7 @@ class CheckpointConfig:
     resume_from: str | None = None
     allow_reshard: bool = True  # False: a changed world size is a config mismatch
 
-    # job isolation (see lease.py): one job writes a root at a time
+    # job isolation (see protocol/lease.py): one job writes a root at a time
     lease: bool = True
     lease_ttl_s: float = 30.0
     lease_takeover: bool = False
@@ -117,13 +115,11 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if not self.save_dir:
             raise ValueError("save_dir must name a directory or URI, got an empty string")
-        for name in ("save_interval", "save_full_interval", "keep_last_n", "keep_last_n_light",
-                     "keep_best_n"):
+        for name in ("save_interval", "save_full_interval"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if self.best_mode not in ("max", "min"):
-            raise ValueError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        super().__post_init__()  # the retention options
         if self.checksum_algorithm not in digest.ALGORITHMS:
             raise ValueError(f"checksum_algorithm must be one of {digest.ALGORITHMS}, got "
                              f"{self.checksum_algorithm!r}")

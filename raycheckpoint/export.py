@@ -41,11 +41,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from raycheckpoint.crypto import check_key
 from raycheckpoint.errors import CheckpointNotFoundError, IntegrityError
-from raycheckpoint.format import ASSETS_DIR, DCP_METADATA
-from raycheckpoint.integrity import verify_bytes, verify_file
-from raycheckpoint.resume import VerifiedCheckpoint
+from raycheckpoint.integrity.crypto import MAGIC, check_key
+from raycheckpoint.integrity.verify import read_verified, verify_files
+from raycheckpoint.protocol.checkpoint import VerifiedCheckpoint
+from raycheckpoint.protocol.paths import DCP_METADATA, dcp_metadata
 from raycheckpoint.storage import Storage
 
 MODEL_PREFIX = "model."
@@ -90,7 +90,7 @@ class RoleReader:
 
     @property
     def has_tensors(self) -> bool:
-        return f"{self.dcp_dir}/{DCP_METADATA}" in self.files
+        return dcp_metadata(self.dcp_dir) in self.files
 
     @property
     def bytes(self) -> int:
@@ -98,20 +98,14 @@ class RoleReader:
 
     def verify(self, progress: Callable[[int], None] | None = None) -> None:
         """Stream-hash every file of the role against the manifest."""
-        for path in sorted(self.files):
-            verify_file(self.storage, path, self.files[path], progress)
+        verify_files(self.storage, self.files, progress)
 
     def metadata(self) -> Metadata:
         if self._metadata is None:
-            rel = f"{self.dcp_dir}/{DCP_METADATA}"
+            rel = dcp_metadata(self.dcp_dir)
             if rel not in self.files:
                 raise IntegrityError(f"{self.ck.name}: role {self.role!r} saved no tensors", path=rel)
-            try:
-                data = self.storage.read_bytes(rel)
-            except FileNotFoundError as e:
-                raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
-            verify_bytes(rel, data, self.files[rel], checksums=True)
-            data = self.storage.decrypted(rel, data)
+            data = read_verified(self.storage, rel, self.files[rel], decrypt=True)
             self._metadata = pickle.loads(data)  # noqa: S301 - checksum verified against the manifest
         return self._metadata
 
@@ -160,8 +154,6 @@ class RoleReader:
 
     def _read_range(self, rel: str, start: int, end: int) -> bytes:
         """Plaintext bytes [start, end) of a (verified) data file, decrypting if needed."""
-        from raycheckpoint.crypto import MAGIC
-
         if rel not in self._encrypted:
             self._encrypted[rel] = self.storage.read_bytes(rel, 0, len(MAGIC)) == MAGIC
         if not self._encrypted[rel]:
@@ -181,7 +173,7 @@ class RoleReader:
 
     def assets(self) -> dict[str, str]:
         """``{file name: path relative to the root}`` of the role's assets."""
-        prefix = f"{self.ck.name}/{ASSETS_DIR}/{self.role}/"
+        prefix = self.ck.paths.assets_prefix(self.role)
         return {p[len(prefix):]: p for p in self.ck.manifest.files if p.startswith(prefix)}
 
 
@@ -240,7 +232,7 @@ def export(ck: VerifiedCheckpoint, out: str, *, fmt: str, role: str = "actor", f
         raise IntegrityError(
             f"{ck.name}: role {role!r} has no Hugging Face config.json among its assets (its "
             "worker's ckpt_assets() returned none); export it with --format state_dict",
-            path=f"{ck.name}/{ASSETS_DIR}/{role}")
+            path=ck.paths.assets_prefix(role).rstrip("/"))
     model_bytes = sum(t.nbytes for t in reader.model_tensors()) if reader.has_tensors else 0
     asset_bytes = sum(ck.manifest.files[p].size for p in assets.values())
     if on_total is not None:
@@ -252,8 +244,7 @@ def export(ck: VerifiedCheckpoint, out: str, *, fmt: str, role: str = "actor", f
         tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
         try:
             for name, rel in sorted(assets.items()):
-                data = ck.storage.read_bytes(rel)
-                verify_bytes(rel, data, ck.manifest.files[rel], checksums=True)
+                data = read_verified(ck.storage, rel, ck.manifest.files[rel])
                 if progress is not None:
                     progress(len(data))
                 with open(os.path.join(tmp, name), "wb") as f:

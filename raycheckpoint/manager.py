@@ -1,6 +1,6 @@
 """CheckpointManager: the driver-side facade (save_checkpoint, load_checkpoint, stats).
 
-The manager starts the job's :class:`~raycheckpoint.coordinator.CheckpointCoordinator`
+The manager starts the job's :class:`~raycheckpoint.protocol.coordinator.CheckpointCoordinator`
 actor, sets up the workers' savers, and drives the protocol:
 
 * ``save_checkpoint(tag=None, kind="full")`` asks the coordinator to ``begin`` and, in
@@ -13,8 +13,9 @@ actor, sets up the workers' savers, and drives the protocol:
   ``handle.wait(timeout)`` returns the commit result or raises the error.
 * ``load_checkpoint(ref, strict=True)`` resolves, verifies and loads a checkpoint into
   every worker (resharding when the world size changed), then restores the driver's
-  RNG and data loader.  ``"auto"`` skips checkpoints that fail verification.
-* ``load_model_weights(ref)`` loads weights only (light or full checkpoints).
+  RNG and data loader; ``"auto"`` skips checkpoints that fail verification.
+  ``load_model_weights(ref)`` loads weights only (light or full checkpoints).  Both are
+  the job's :class:`~raycheckpoint.loader.CheckpointLoader`.
 
 Workers are any Ray actors mixing in :class:`~raycheckpoint.worker.CheckpointableWorker`,
 grouped by role (rank = position in the list).
@@ -22,126 +23,31 @@ grouped by role (rank = position in the list).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from raycheckpoint import catalog
 from raycheckpoint._internal.rpc import get as _get
 from raycheckpoint.config import CheckpointConfig
-from raycheckpoint.coordinator import CheckpointCoordinator
-from raycheckpoint.crypto import FileCipher, check_key, load_key
-from raycheckpoint.errors import (
-    CheckpointNotFoundError,
-    CheckpointSaveError,
-    ConfigMismatchError,
-    IntegrityError,
-    LightCheckpointError,
-    RayCheckpointError,
-)
-from raycheckpoint.format import rng_file, step_dir_name
-from raycheckpoint.lease import Lease
+from raycheckpoint.errors import CheckpointSaveError, RayCheckpointError
+from raycheckpoint.integrity.crypto import FileCipher, load_key
+from raycheckpoint.loader import CheckpointLoader, LoadResult
 from raycheckpoint.metrics import CheckpointMetrics
-from raycheckpoint.resume import (
-    VerifiedCheckpoint,
-    format_differences,
-    locate,
-    open_verified,
-    resolve,
-    resume_differences,
-)
-from raycheckpoint.retention import RetentionPolicy
-from raycheckpoint.state import capture_rng, restore_rng
-from raycheckpoint.storage import Storage, StorageSpec
+from raycheckpoint.policy.retention import RetentionPolicy
+from raycheckpoint.protocol import coordinator
+from raycheckpoint.protocol.lease import Lease
+from raycheckpoint.protocol.paths import step_dir_name
+from raycheckpoint.save_handle import SaveHandle
+from raycheckpoint.state import capture_rng
+from raycheckpoint.storage import StorageSpec
+
+__all__ = ["CheckpointManager", "LoadResult", "SaveHandle"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class LoadResult:
-    name: str
-    step: int
-    kind: str
-    epoch: int | None
-    metrics: dict[str, Any]
-    trainer_state: dict[str, Any] = field(repr=False)
-    skipped: list[str] = field(default_factory=list)
-    resharded: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-
-COORDINATOR_NAMESPACE = "raycheckpoint"
-
-
-def coordinator_name(storage: Storage) -> str:
-    """The Ray actor name of the coordinator of the job writing to ``storage``'s root."""
-    return "coordinator-" + hashlib.sha256(storage.url().rstrip("/").encode()).hexdigest()[:16]
-
-
-def _start_coordinator(spec: StorageSpec, config: CheckpointConfig, lease_job_id: str | None) -> Any:
-    name = coordinator_name(spec.open())
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return ray.remote(CheckpointCoordinator).options(
-                name=name, namespace=COORDINATOR_NAMESPACE, max_concurrency=64,
-                num_cpus=0).remote(spec, config, lease_job_id=lease_job_id)
-        except ValueError as e:  # the name is held: a previous coordinator still shutting down
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"another checkpoint coordinator ({name}) is running for {config.save_dir}; "
-                    "one job per checkpoint root") from e
-            time.sleep(0.5)
-
-
-class SaveHandle:
-    """A save in flight: ``done()``, ``wait(timeout)``; errors are re-raised unchanged."""
-
-    def __init__(self, manager: CheckpointManager, *, save_id: str | None, name: str, step: int,
-                 kind: str, stall_s: float, worker_stall_s: float, existing: dict | None = None,
-                 finished: ray.ObjectRef | None = None):
-        self._manager = manager
-        self.save_id, self.name, self.step, self.kind = save_id, name, step, kind
-        self.stall_s, self.worker_stall_s = stall_s, worker_stall_s
-        self._result: dict[str, Any] | None = existing
-        self._error: BaseException | None = None
-        self.observed = existing is not None
-        # the coordinator's answer to await_save(): ready when the save has finished, so
-        # done() asks the local object store, not the coordinator
-        self._finished = finished
-
-    def done(self) -> bool:
-        # a handle without an answer to wait for holds its result or error from the start
-        if self._result is not None or self._error is not None:
-            return True
-        ready, _ = ray.wait([self._finished], timeout=0)
-        return bool(ready)
-
-    def wait(self, timeout: float | None = None) -> dict[str, Any]:
-        self.observed = True
-        if self._error is not None:
-            raise self._error
-        if self._result is None:
-            try:
-                self._result = _get(self._finished, timeout)
-            except ray.exceptions.GetTimeoutError:  # still running: not a failure of the save
-                raise TimeoutError(f"save {self.name} ({self.save_id}) not finished after "
-                                   f"{timeout}s") from None
-            except RayCheckpointError as e:
-                self._error = e
-                self._manager._record(self, None, e)
-                raise
-            self._manager._record(self, self._result, None)
-        return self._result
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
 
 
 class CheckpointManager:
@@ -159,7 +65,7 @@ class CheckpointManager:
                                 retries=config.storage_retries, cipher=self.cipher,
                                 checksum=config.checksum_algorithm, direct_io=config.direct_io)
         self.storage = self.spec.open()
-        if self.storage.is_process_local:
+        if not self.storage.caps.shared:
             raise ValueError(f"{config.save_dir!r} is process-local (memory://): Ray workers run "
                              "in other processes and cannot write there; use a directory or s3://")
         self.groups = {role: list(ws) for role, ws in worker_groups.items()}
@@ -186,6 +92,9 @@ class CheckpointManager:
             if self._lease.took_over is not None:
                 logger.warning("took over the lease of %s from %s", config.save_dir,
                                self._lease.took_over.describe())
+        self._loader = CheckpointLoader(self.storage, config, self.groups, cipher=self.cipher,
+                                        fingerprint=self.fingerprint, dataloader=dataloader,
+                                        workers_loaded=self._refresh_identities)
         try:
             self._start(config, prepare_buffers)
         except BaseException:
@@ -194,7 +103,7 @@ class CheckpointManager:
             raise
 
     def _start(self, config: CheckpointConfig, prepare_buffers: bool) -> None:
-        self._coordinator = _start_coordinator(
+        self._coordinator = coordinator.start(
             self.spec, config, None if self._lease is None else self._lease.job_id)
         rpc = config.rpc_timeout_s
         _get([w.ckpt_setup.remote(role=role, rank=rank, world_size=len(ws), storage=self.spec,
@@ -303,7 +212,7 @@ class CheckpointManager:
             "epoch": self.epoch, "config_fingerprint": self.fingerprint,
             "world_sizes": self.world_sizes, "saved_at": time.time(),
             # the job's retention rules, so `raycheckpoint gc` can apply them without the job
-            "retention": dataclasses.asdict(RetentionPolicy.from_config(self.config))}
+            "retention": RetentionPolicy.from_config(self.config).retention_rules()}
         if kind == "full":
             trainer_state["rng"] = capture_rng()
             if self.dataloader is not None:
@@ -332,7 +241,7 @@ class CheckpointManager:
         if "existing" in begun:
             self._settle(snap_refs, wait_s + rpc)
             e = begun["existing"]
-            return SaveHandle(self, save_id=None, name=e["name"], step=e["step"], kind=e["kind"],
+            return SaveHandle(self._record, save_id=None, name=e["name"], step=e["step"], kind=e["kind"],
                               stall_s=time.perf_counter() - t0, worker_stall_s=0.0,
                               existing={**e, "existing": True})
         save_id, name = begun["save_id"], begun["name"]
@@ -364,7 +273,7 @@ class CheckpointManager:
         for _, w in writers:
             w.ckpt_start_persist.remote(save_id)
         finished = self._coordinator.await_save.remote(save_id)
-        handle = SaveHandle(self, save_id=save_id, name=name, step=step, kind=kind,
+        handle = SaveHandle(self._record, save_id=save_id, name=name, step=step, kind=kind,
                             stall_s=time.perf_counter() - t0,
                             worker_stall_s=max((s["stall_s"] for s in snaps), default=0.0),
                             finished=finished)
@@ -406,10 +315,8 @@ class CheckpointManager:
         error = CheckpointSaveError(
             f"save of step {step} failed before any worker wrote: {type(cause).__name__}: {cause}"
             + (f" ({notes})" if notes else ""), failures={"coordinator": repr(cause)})
-        handle = SaveHandle(self, save_id=None, name=step_dir_name(step), step=step, kind=kind,
-                            stall_s=stall_s, worker_stall_s=0.0)
-        handle._error, handle.observed = error, True
-        self._record(handle, None, error)
+        handle = SaveHandle.failed(self._record, name=step_dir_name(step), step=step, kind=kind,
+                                   stall_s=stall_s, error=error)
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)
         return handle
 
@@ -434,109 +341,15 @@ class CheckpointManager:
 
         Returns None when ``ref == "auto"`` and the root holds no checkpoint (fresh start).
         """
-        storage, ref = locate(self.storage, ref, self.config.storage_options)
-        names = resolve(storage, ref)
-        failures = []
-        if ref == "auto":
-            for bad, error in sorted(catalog.scan_all(storage)[2].items()):
-                warnings.warn(f"checkpoint {bad} is skipped: {error}", RuntimeWarning, stacklevel=2)
-                failures.append(f"{bad}: {error}")
-        if not names and not failures:
-            return None  # only "auto" resolves to nothing: a fresh root
-        for name in names:
-            try:
-                return self._load(storage, name, strict=strict, weights_only=False)
-            except IntegrityError as e:
-                if ref != "auto":
-                    raise
-                warnings.warn(f"checkpoint {name} failed verification, trying an older one: {e}",
-                              RuntimeWarning, stacklevel=2)
-                failures.append(f"{name}: {e}")
-        raise CheckpointNotFoundError("no committed full checkpoint verifies: "
-                                      + "; ".join(failures), ref=str(ref))
+        result = self._loader.load(ref, strict)
+        if result is not None and result.kind == "full":  # a light one loads weights only
+            self.update(step=result.step, epoch=result.trainer_state.get("epoch"),
+                        metrics=result.metrics)
+        return result
 
     def load_model_weights(self, ref: str | int = "latest") -> LoadResult:
         """Load only model weights from a light or full checkpoint into every worker."""
-        storage, ref = locate(self.storage, ref, self.config.storage_options)
-        if ref == "auto":
-            ref = "latest"
-        return self._load(storage, resolve(storage, ref)[0], strict=False, weights_only=True)
-
-    def _load(self, storage: Storage, name: str, *, strict: bool, weights_only: bool) -> LoadResult:
-        ck = open_verified(storage, name)
-        check_key(ck.manifest.encryption, self.cipher, name)
-        if not weights_only and ck.kind == "light":
-            if strict:
-                raise LightCheckpointError(
-                    f"{name} is a light checkpoint: it holds model weights only, no optimizer, "
-                    "data-loader or RNG state, so it cannot resume training with strict=True. "
-                    "Use load_model_weights() to load its weights.", name=name)
-            weights_only = True
-        skipped: list[str] = []
-        diffs = resume_differences(ck, self.fingerprint, self.world_sizes,
-                                   allow_reshard=self.config.allow_reshard)
-        if diffs and not weights_only:
-            if strict:
-                raise ConfigMismatchError(format_differences(name, diffs), differences=diffs)
-            skipped.append("config differences ignored: "
-                           + "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs))
-        missing_roles = sorted(set(self.groups) - set(ck.manifest.roles))
-        if missing_roles:
-            msg = f"{name} holds no state for role(s) {missing_roles} (it has {sorted(ck.manifest.roles)})"
-            if strict:
-                raise IntegrityError(msg, path=name)
-            skipped.append(msg)
-        extra_roles = sorted(set(ck.manifest.roles) - set(self.groups))
-        if extra_roles:
-            skipped.append(f"roles in the checkpoint with no worker group here: {extra_roles}")
-        resharded = self._load_workers(ck, weights_only=weights_only, skipped=skipped)
-        self._refresh_identities()
-        ts = ck.trainer_state
-        if not weights_only:
-            skipped += [f"driver rng: {s}" for s in restore_rng(ts["rng"])]
-            if self.dataloader is not None:
-                if "dataloader" in ts:
-                    self.dataloader.load_state_dict(ts["dataloader"])
-                elif strict:
-                    raise IntegrityError(f"{name} has no data-loader state but this job has a "
-                                         "data loader", path=name)
-                else:
-                    skipped.append("data loader: no saved state")
-            self.update(step=ck.step, epoch=ts.get("epoch"), metrics=ts.get("metrics") or {})
-        for s in skipped:
-            logger.info("load %s: %s", name, s)
-        return LoadResult(name=name, step=ck.step, kind=ck.kind, epoch=ts.get("epoch"),
-                          metrics=ts.get("metrics") or {}, trainer_state=ts, skipped=skipped,
-                          resharded=resharded)
-
-    def _load_workers(self, ck: VerifiedCheckpoint, *, weights_only: bool,
-                      skipped: list[str]) -> dict[str, tuple[int, int]]:
-        calls, resharded = [], {}
-        for role, workers in self.groups.items():
-            layout = ck.manifest.roles.get(role)
-            if layout is None:
-                continue
-            if layout.world_size != len(workers):
-                resharded[role] = (layout.world_size, len(workers))
-            prefix = layout.dcp_dir + "/"
-            files = {p: e.to_dict() for p, e in ck.manifest.files.items() if p.startswith(prefix)}
-            for rank, w in enumerate(workers):
-                src_rank = rank if rank < layout.world_size else 0
-                suffix = "/" + rng_file(role, src_rank)
-                rng = next((f for f in layout.files if f.endswith(suffix)), None)
-                if rng is not None:
-                    files_r = {**files, rng: ck.manifest.files[rng].to_dict()}
-                else:
-                    files_r, rng = files, None
-                calls.append(w.ckpt_load.remote({
-                    "dcp_dir": layout.dcp_dir, "files": files_r,
-                    "checksums": self.config.enable_checksum,
-                    "kind": "light" if weights_only else "full",
-                    "saved_world_size": layout.world_size, "rng_file": rng,
-                    "wait_timeout_s": self.config.save_wait_timeout_s}))
-        for r in _get(calls, self.config.rpc_timeout_s):
-            skipped.extend(r["skipped"])
-        return resharded
+        return self._loader.load_weights(ref)
 
     def wait_for_cleanup(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Wait for the clean-up that follows the newest commit; return what it did.

@@ -17,16 +17,16 @@ from typing import Any
 
 import ray
 
-from raycheckpoint.manager import COORDINATOR_NAMESPACE, coordinator_name
+from raycheckpoint.protocol.coordinator import NAMESPACE, actor_name
 from raycheckpoint.storage import Storage
 
 
 def request_save(root: str, *, tag: str | None = None, kind: str = "full",
                  storage_options: dict[str, Any] | None = None, timeout_s: float = 60.0) -> None:
     """Queue a save request with the coordinator of ``root`` (Ray must be initialized)."""
-    name = coordinator_name(Storage(root, storage_options or {}))
+    name = actor_name(Storage(root, storage_options or {}))
     try:
-        actor = ray.get_actor(name, namespace=COORDINATOR_NAMESPACE)
+        actor = ray.get_actor(name, namespace=NAMESPACE)
     except ValueError as e:
         raise LookupError(f"no running job checkpoints to {root} on this Ray cluster") from e
     ray.get(actor.request_save.remote(tag=tag, kind=kind), timeout=timeout_s)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -51,16 +52,20 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from raycheckpoint._internal import faults, rpc
-from raycheckpoint.dcp_read import VerifyingStorageReader, load_verified, overlapping_ranks
+from raycheckpoint._internal.dcp.load import load_verified
+from raycheckpoint._internal.dcp.read_ahead import overlapping_ranks
+from raycheckpoint._internal.dcp.reader import VerifyingStorageReader
+from raycheckpoint._internal.persist import SaveTarget, Snapshot
+from raycheckpoint._internal.shard_saver import ShardSaver
 from raycheckpoint.errors import CheckpointSaveError, IntegrityError
-from raycheckpoint.format import DCP_METADATA, unpack
-from raycheckpoint.integrity import verify_bytes
-from raycheckpoint.snapshot import ShardSaver
+from raycheckpoint.integrity.verify import read_verified
+from raycheckpoint.protocol.format import unpack
+from raycheckpoint.protocol.paths import dcp_metadata
 from raycheckpoint.state import capture_rng, restore_rng
 from raycheckpoint.state_dict_cache import StateDictCache, optimizer_state_dict
 from raycheckpoint.storage import FileEntry, StorageSpec
 
-__all__ = ["CheckpointableWorker", "StateDictCache", "optimizer_state_dict"]
+__all__ = ["CheckpointableWorker", "StateDictCache", "local_tensors", "optimizer_state_dict"]
 
 
 class CheckpointableWorker:
@@ -163,8 +168,9 @@ class CheckpointableWorker:
         ``overlap``: on a worker with a guarded optimizer (:meth:`ckpt_guard`), return
         before the host copy, which then overlaps training up to the optimizer step.
         """
-        return self._snapshot(kind, wait_timeout_s, overlap, save_id=save_id, step_dir=step_dir,
-                              coordinator=coordinator, start=not defer_persist)
+        target = SaveTarget(self._ckpt_coordinator if coordinator is None else coordinator,
+                            save_id, step_dir)
+        return self._snapshot(kind, target, wait_timeout_s, overlap, start=not defer_persist)
 
     def ckpt_snapshot_begun(self, begun: Any, kind: str, wait_timeout_s: float = 1800.0,
                             overlap: bool = False, begin_timeout_s: float = 1800.0
@@ -199,19 +205,16 @@ class CheckpointableWorker:
                 return None
             return answer["save_id"], answer["name"]
 
-        out = self._snapshot(kind, wait_timeout_s, overlap, save_id="", step_dir="",
-                             coordinator=None, start=False, named=named)
+        out = self._snapshot(kind, SaveTarget(self._ckpt_coordinator, named=named),
+                             wait_timeout_s, overlap, start=False)
         if out.get("dropped"):
             out["dropped"] = reason
         return out
 
-    def _snapshot(self, kind: str, wait_timeout_s: float, overlap: bool, *, save_id: str,
-                  step_dir: str, coordinator: Any, start: bool,
-                  named: Any = None) -> dict[str, Any]:
+    def _snapshot(self, kind: str, target: SaveTarget, wait_timeout_s: float, overlap: bool, *,
+                  start: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
         saver = self._saver()
-        if coordinator is None:
-            coordinator = self._ckpt_coordinator
         saver.wait_previous(wait_timeout_s)  # the host buffers are reused: never overwrite a
         try:                                 # copy that is still being written
             with torch.no_grad():
@@ -221,13 +224,11 @@ class CheckpointableWorker:
                 extra = {"rng": capture_rng(), "state": self.ckpt_extra_state()}
             assets = self.ckpt_assets() if self.ckpt_rank == 0 else None
         except BaseException as e:  # the peers persisting this save must not wait for it
-            saver.refuse(kind, e, save_id=save_id, step_dir=step_dir, coordinator=coordinator,
-                         named=named)
+            saver.refuse(kind, e, target)
             raise
         overlap = overlap and bool(self._ckpt_guards)
-        out = saver.snapshot(save_id=save_id, step_dir=step_dir, kind=kind, state=state,
-                             extra=extra, coordinator=coordinator, wait_timeout_s=wait_timeout_s,
-                             assets=assets, start=start, overlap=overlap, named=named)
+        out = saver.snapshot(Snapshot(kind, state, extra, dict(assets or {})), target,
+                             wait_timeout_s=wait_timeout_s, start=start, overlap=overlap)
         out["overlap"] = overlap
         out["copy_s"] = out["stall_s"]
         out["stall_s"] = time.perf_counter() - t0  # with building the state dict
@@ -244,7 +245,7 @@ class CheckpointableWorker:
         saver = self._saver()
         saver.wait_previous(wait_timeout_s)
         saver.refuse(kind, CheckpointSaveError(f"{self.ckpt_role}/{self.ckpt_rank}: {reason}"),
-                     save_id=save_id, step_dir=name, coordinator=self._ckpt_coordinator)
+                     SaveTarget(self._ckpt_coordinator, save_id, name))
 
     def ckpt_start_persist(self, save_id: str, if_staged: bool = False) -> None:
         """Start the persist of staged save ``save_id``; ``if_staged``: where this rank
@@ -269,7 +270,7 @@ class CheckpointableWorker:
         role has the same identity and world size is referenced instead of written again.
         """
         h = hashlib.sha256()
-        for path, tensor in sorted(_local_tensors(self.ckpt_state_dict("light")).items()):
+        for path, tensor in sorted(local_tensors(self.ckpt_state_dict("light")).items()):
             h.update(path.encode())
             h.update(str((tuple(tensor.shape), tensor.dtype)).encode())
             h.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
@@ -300,13 +301,18 @@ class CheckpointableWorker:
         # from an object store the rank's small extra-state file is read beside the
         # tensors, not after them (a round trip: ~20 ms of a resharded load from moto);
         # from local disk it is read after them, in this thread
-        beside = None if rel is None or saver.storage.is_posix else ThreadPoolExecutor(
+        beside = None if rel is None or saver.storage.caps.local_paths else ThreadPoolExecutor(
             1, thread_name_prefix="raycheckpoint-load-extra")
+
+        def read_extra() -> bytes:
+            return read_verified(saver.storage, rel, expected.get(rel),
+                                 checksums=request["checksums"], decrypt=True)
+
         try:
-            extra_bytes = None if beside is None else beside.submit(saver.storage.read_bytes, rel)
+            extra = read_extra if beside is None else beside.submit(read_extra)
             with torch.no_grad():  # as at a snapshot: the template's DTensors resolve cheaply
                 template = self.ckpt_state_dict(kind)
-            if f"{request['dcp_dir']}/{DCP_METADATA}" in expected:
+            if dcp_metadata(request["dcp_dir"]) in expected:
                 reader = VerifyingStorageReader(saver.storage, request["dcp_dir"], expected,
                                                 checksums=request["checksums"])
                 reader.prefetch(overlapping_ranks(self.ckpt_rank, self.ckpt_world_size,
@@ -319,26 +325,21 @@ class CheckpointableWorker:
                                      path=request["dcp_dir"])
             skipped: list[str] = []
             if kind == "full":
-                skipped += self._load_extra(saver, request, expected, rel, extra_bytes)
+                skipped += self._load_extra(request, rel, extra)
         finally:
             if beside is not None:
                 beside.shutdown(wait=False, cancel_futures=True)
         return {"role": self.ckpt_role, "rank": self.ckpt_rank, "skipped": skipped}
 
-    def _load_extra(self, saver: ShardSaver, request: dict[str, Any],
-                    expected: dict[str, FileEntry], rel: str | None,
-                    read: Future[bytes] | None) -> list[str]:
-        """Apply this rank's extra state and RNG from file ``rel``: ``read`` where its
-        read was started beside the tensors, read here otherwise."""
+    def _load_extra(self, request: dict[str, Any], rel: str | None,
+                    read: Future[bytes] | Callable[[], bytes]) -> list[str]:
+        """Apply this rank's extra state and RNG from file ``rel``, read (verified and
+        decrypted) by ``read``: a future where its read was started beside the tensors."""
         if rel is None:
             return [f"{self.ckpt_role}/{self.ckpt_rank}: no saved rank state"]
-        try:
-            data = (saver.storage.read_bytes(rel) if read is None
-                    else read.result(timeout=request.get("wait_timeout_s", 1800.0)))
-        except FileNotFoundError as e:
-            raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
-        verify_bytes(rel, data, expected.get(rel), checksums=request["checksums"])
-        extra = unpack(saver.storage.decrypted(rel, data))
+        data = (read.result(timeout=request.get("wait_timeout_s", 1800.0))
+                if isinstance(read, Future) else read())
+        extra = unpack(data)
         self.ckpt_load_extra_state(extra.get("state") or {})
         skipped = []
         if request["saved_world_size"] == self.ckpt_world_size:
@@ -350,12 +351,12 @@ class CheckpointableWorker:
         return skipped
 
 
-def _local_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+def local_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     """This rank's tensors of a (possibly DTensor) state dict, by path."""
     out: dict[str, torch.Tensor] = {}
     if isinstance(obj, dict):
         for k, v in obj.items():
-            out.update(_local_tensors(v, f"{prefix}/{k}"))
+            out.update(local_tensors(v, f"{prefix}/{k}"))
     elif isinstance(obj, DTensor):
         out[prefix] = obj.to_local()
     elif isinstance(obj, torch.Tensor):

@@ -76,7 +76,7 @@ def a_failed_save_then_a_whole_one(m: CheckpointManager, group: list[Any], root:
     import pytest
 
     from raycheckpoint import CheckpointSaveError, Storage
-    from raycheckpoint.format import COMMITTED, LATEST
+    from raycheckpoint.protocol.paths import COMMITTED, LATEST
 
     m.update(step=1)
     m.save_checkpoint().wait(120)
@@ -168,4 +168,4 @@ class TinyWorker:
 
     def staged(self) -> dict:
         """The host buffers of the last full snapshot."""
-        return self._saver()._buffers["full"][1]
+        return self._saver().stager._buffers["full"][1]

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from raycheckpoint import cli
-from raycheckpoint.format import FORMAT_VERSION
+from raycheckpoint.protocol.format import FORMAT_VERSION
 from tests.helpers import flip_bit
 
 pytestmark = pytest.mark.timeout(300)
@@ -334,7 +334,7 @@ def test_commands_on_s3(job_root, s3_root, tmp_path, capsys):
 
 def test_ls_shows_the_lease_and_gc_waits_for_the_job(root, capsys):
     from raycheckpoint import Storage
-    from raycheckpoint.lease import Lease
+    from raycheckpoint.protocol.lease import Lease
 
     lease = Lease(Storage(root), job_name="live-job").acquire()
     try:

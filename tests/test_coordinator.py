@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from raycheckpoint import CheckpointConfig
-from raycheckpoint.coordinator import CheckpointCoordinator
+from raycheckpoint.protocol.coordinator import CheckpointCoordinator
 from raycheckpoint.storage import Storage, StorageSpec
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from raycheckpoint import CheckpointNotFoundError, IntegrityError, Storage
 from raycheckpoint.admin import verify
-from raycheckpoint.format import CATALOG, LATEST
+from raycheckpoint.protocol.paths import CATALOG, LATEST
 from tests.helpers import flip_bit, manager, train, weights_sha
 
 pytestmark = pytest.mark.timeout(300)
@@ -113,8 +113,9 @@ def test_load_raises_naming_the_file_and_auto_falls_back(copy, group2, kind, mod
 @pytest.mark.parametrize("pointer", [LATEST, CATALOG])
 def test_corrupt_caches_are_rebuilt_from_the_markers(copy, pointer, mode):
     from raycheckpoint import CheckpointConfig
-    from raycheckpoint.coordinator import CheckpointCoordinator
-    from raycheckpoint.resume import open_verified, resolve
+    from raycheckpoint.protocol.checkpoint import open_verified
+    from raycheckpoint.protocol.coordinator import CheckpointCoordinator
+    from raycheckpoint.protocol.refs import resolve
 
     root, _ = copy
     corrupt(f"{root}/{pointer}", mode)
@@ -135,7 +136,7 @@ def test_corrupt_caches_are_rebuilt_from_the_markers(copy, pointer, mode):
 def test_a_corrupt_tag_pointer_is_a_clear_error(copy, group2, mode):
     root, _ = copy
     corrupt(f"{root}/tags/t2", mode)
-    from raycheckpoint.resume import resolve
+    from raycheckpoint.protocol.refs import resolve
 
     with pytest.raises(CheckpointNotFoundError, match="t2"):
         resolve(Storage(root), "t2")

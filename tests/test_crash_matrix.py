@@ -25,10 +25,11 @@ from __future__ import annotations
 import pytest
 import ray
 
-from raycheckpoint import Storage, catalog
-from raycheckpoint._internal import faults
+from raycheckpoint import Storage
+from raycheckpoint import testing as faults
 from raycheckpoint.admin import verify
-from raycheckpoint.resume import resolve
+from raycheckpoint.protocol import catalog
+from raycheckpoint.protocol.refs import resolve
 from tests.helpers import REPORTS, manager, train, weights_sha
 
 pytestmark = [pytest.mark.crash, pytest.mark.slow, pytest.mark.timeout(300)]

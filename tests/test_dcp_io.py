@@ -15,14 +15,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from raycheckpoint import IntegrityError
-from raycheckpoint.dcp_io import HashingStorageWriter
-from raycheckpoint.dcp_read import (
-    VerifyingStorageReader,
-    load_verified,
-    overlapping_ranks,
-    receive_buffer,
-)
-from raycheckpoint.records import load_record, save_record
+from raycheckpoint._internal.dcp.load import load_verified
+from raycheckpoint._internal.dcp.read_ahead import overlapping_ranks, receive_buffer
+from raycheckpoint._internal.dcp.reader import VerifyingStorageReader
+from raycheckpoint._internal.dcp.torch_records import load_record, save_record
+from raycheckpoint._internal.dcp.writer import HashingStorageWriter
 from raycheckpoint.storage import Storage
 
 
@@ -101,21 +98,21 @@ def test_file_not_in_manifest_is_refused(storage):
 
 
 def test_prepared_buffers_are_reused_and_restaged_fresh(tmp_path):
-    from raycheckpoint.snapshot import ShardSaver
+    from raycheckpoint._internal.shard_saver import ShardSaver
     from raycheckpoint.storage import StorageSpec
 
     saver = ShardSaver(role="actor", rank=0, world_size=1, storage=StorageSpec(str(tmp_path)))
     state = _state()
     assert saver.prepare("full", state) == (64 * 32 + 32 + 1) * 4
-    prepared = saver._buffers["full"][1]
+    prepared = saver.stager._buffers["full"][1]
     state["model"]["w"].add_(1.0)
     state["optim"]["lr"] = 0.5  # non-tensor leaves change between saves too
-    staged = saver._stage("full", state)
+    staged = saver.stager.stage("full", state)
     assert staged["model"]["w"].data_ptr() == prepared["model"]["w"].data_ptr()  # no new memory
     assert torch.equal(staged["model"]["w"], state["model"]["w"])
     assert staged["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()  # a copy
     assert staged["optim"]["lr"] == 0.5
-    light = saver._stage("light", {"model": state["model"]})  # shares the full buffers
+    light = saver.stager.stage("light", {"model": state["model"]})  # shares the full buffers
     assert light["model"]["w"].data_ptr() == prepared["model"]["w"].data_ptr()
 
 
@@ -231,7 +228,7 @@ def test_records_of_a_known_layout_are_torchs_bytes():
     """A record written from its layout's template is byte for byte what torch's writer
     writes (without CRCs), and loads back, for every dtype and shape tried; a layout that
     cannot be templated (a view into a larger storage) goes through torch's writer."""
-    from raycheckpoint.records import _TEMPLATES, _template, _torch_record
+    from raycheckpoint._internal.dcp.torch_records import _TEMPLATES, _template, _torch_record
 
     tensors = [torch.randn(33, 7), torch.randn(()), torch.randn(5).to(torch.bfloat16),
                torch.tensor([True, False, True]), torch.arange(9), torch.ones(1, dtype=torch.uint8),
@@ -359,7 +356,7 @@ def test_prefetch_reads_the_named_ranks_files_only(storage, monkeypatch):
     expected, source = _two_file_checkpoint(storage, "multi")
     reader = VerifyingStorageReader(storage, "multi", expected)
     thread = reader.prefetch([1])
-    if not storage.is_posix:
+    if not storage.caps.local_paths:
         assert thread is None and not calls
         assert set(reader._fetched) == {"multi/__1_0.distcp"}
         reader._fetched["multi/__1_0.distcp"].result(10)
@@ -376,7 +373,7 @@ def test_prefetch_reads_the_named_ranks_files_only(storage, monkeypatch):
     load_verified(target, reader)
     assert torch.equal(target["model"]["w"], source["model"]["w"])
     assert torch.equal(target["model"]["b"], source["model"]["b"])
-    if not storage.is_posix:  # each file read once: the prefetched one taken, the other read
+    if not storage.caps.local_paths:  # each file read once: the prefetched one taken, the other read
         assert sorted(rel for rel, _ in reads) == ["multi/__0_0.distcp", "multi/__1_0.distcp"]
         assert not reader._fetched
 
@@ -386,7 +383,7 @@ def test_a_corrupt_file_prefetched_from_an_object_store_fails_the_load(s3_root, 
     """A file prefetched whole is verified as the load's own read would verify it: the
     load fails naming it.  The budget stops the prefetch before a file that would pass it,
     and stop_prefetch drops a file the load never took."""
-    from raycheckpoint import dcp_read
+    from raycheckpoint._internal.dcp import reader as dcp_read
     from raycheckpoint.storage import StorageSpec
 
     storage = StorageSpec(*s3_root).open()
@@ -417,13 +414,13 @@ def test_prefetch_stops_at_its_bound_when_told_and_without_sendfile(tmp_path, mo
     """Each file is read in steps up to PREFETCH_BYTES; stop_prefetch ends it after the
     current step; where sendfile is refused, the kernel is asked step by step instead (one
     POSIX_FADV_WILLNEED call reads no more than the readahead window)."""
-    import raycheckpoint.dcp_read as dcp_read
+    import raycheckpoint._internal.dcp.read_ahead as read_ahead
 
     storage = Storage(str(tmp_path))
     expected, _ = _two_file_checkpoint(storage, "multi")
     size = os.path.getsize(storage.full_path("multi/__0_0.distcp"))
-    monkeypatch.setattr(dcp_read, "PREFETCH_STEP", 1024)
-    monkeypatch.setattr(dcp_read, "PREFETCH_BYTES", 3 * 1024)
+    monkeypatch.setattr(read_ahead, "PREFETCH_STEP", 1024)
+    monkeypatch.setattr(read_ahead, "PREFETCH_BYTES", 3 * 1024)
     assert size > 4 * 1024
 
     sent: list = []
@@ -454,7 +451,7 @@ def test_a_large_rank_keeps_its_small_items_in_a_file_of_their_own(storage, monk
     the lr and betas) beside its large ones, in ``__<rank>_1.distcp``: a reader needing only
     those (a rank loading another's replicated items) opens and hashes that file alone.
     torch's own reader reads the pair, and a flip in the small file fails a load of it."""
-    import raycheckpoint.dcp_io as dcp_io
+    import raycheckpoint._internal.dcp.record_layout as dcp_io
 
     monkeypatch.setattr(dcp_io, "SPLIT_AT_BYTES", 4096)
     monkeypatch.setattr(dcp_io, "SMALL_ITEM_BYTES", 4096)  # w: 8 KB; b: 128 B
@@ -473,7 +470,7 @@ def test_a_large_rank_keeps_its_small_items_in_a_file_of_their_own(storage, monk
     assert torch.equal(full["model"]["w"], src["model"]["w"])
     assert torch.equal(full["model"]["b"], src["model"]["b"])
     assert full["optim"]["lr"] == 0.01 and torch.equal(full["optim"]["step"], src["optim"]["step"])
-    if storage.is_posix:
+    if storage.caps.local_paths:
         theirs = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}}
         dcp.load(theirs, storage_reader=FileSystemReader(storage.full_path(d)), no_dist=True)
         assert torch.equal(theirs["model"]["w"], src["model"]["w"])
@@ -499,7 +496,7 @@ def test_a_large_rank_keeps_its_small_items_in_a_file_of_their_own(storage, monk
 def test_files_read_into_memory_in_parallel_stay_within_the_budget(storage, monkeypatch):
     """Mapped files cost no memory to read at once; files read into memory (object stores,
     encryption) do, and are read one at a time once two would pass PARALLEL_READ_BYTES."""
-    from raycheckpoint import dcp_read
+    from raycheckpoint._internal.dcp import reader as dcp_read
 
     expected, source = _two_file_checkpoint(storage, "multi")
     largest = max(e.size for e in expected.values())
@@ -511,7 +508,7 @@ def test_files_read_into_memory_in_parallel_stay_within_the_budget(storage, monk
     load_verified(target, reader)
     assert torch.equal(target["model"]["w"], source["model"]["w"])
     pooled = [name for name in reader.threads.values() if name.startswith("raycheckpoint-load")]
-    assert len(pooled) == (2 if storage.is_posix else 0)
+    assert len(pooled) == (2 if storage.caps.local_paths else 0)
 
 
 _UNPICKLED: list[str] = []
@@ -561,8 +558,8 @@ def test_a_record_of_a_known_layout_is_read_without_torchs_reader(make, monkeypa
     the loader knows from the metadata: such a record's tensor views its data, no zip
     parsing.  Anything else (CRCs written, another layout than the metadata says) goes to
     torch's own reader, with the same result."""
-    from raycheckpoint import records
-    from raycheckpoint.records import record_tensor
+    from raycheckpoint._internal.dcp import torch_records as records
+    from raycheckpoint._internal.dcp.torch_records import record_tensor
 
     src = make()
     parsed = []

@@ -21,15 +21,16 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
-from raycheckpoint import digest
-from raycheckpoint.dcp_io import HashingStorageWriter
-from raycheckpoint.dcp_load import (
+from raycheckpoint._internal.dcp.load import load_verified
+from raycheckpoint._internal.dcp.load_plan import (
     LayoutCachingLoadPlanner,
     contiguous_span,
     copy_run,
     local_load_plan,
 )
-from raycheckpoint.dcp_read import VerifyingStorageReader, load_verified
+from raycheckpoint._internal.dcp.reader import VerifyingStorageReader
+from raycheckpoint._internal.dcp.writer import HashingStorageWriter
+from raycheckpoint.integrity import digest
 from raycheckpoint.storage import FileEntry, Storage
 
 pytestmark = pytest.mark.timeout(240)
@@ -199,7 +200,7 @@ def test_the_reader_copies_runs_itself_and_leaves_the_rest_to_dcp(tmp_path, monk
     reader leaves it."""
     import ctypes
 
-    from raycheckpoint import dcp_load
+    from raycheckpoint._internal.dcp import load_plan as dcp_load
 
     g = torch.Generator().manual_seed(0)
     saved = {"w": torch.randn(6, 4, generator=g), "t": torch.randn(4, 6, generator=g),

@@ -1,4 +1,4 @@
-"""DCP's save protocol with plans agreed once (raycheckpoint.dcp_save), on two real ranks.
+"""DCP's save protocol with plans agreed once (raycheckpoint._internal.dcp.save), on two real ranks.
 
 Two processes form a gloo group and shard a small model with FSDP2, as two workers of a
 role do.  Each scenario saves through :func:`save_state` and, beside it, through
@@ -21,11 +21,12 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from raycheckpoint import digest
-from raycheckpoint._internal import faults
-from raycheckpoint.dcp_io import HashingStorageWriter
-from raycheckpoint.dcp_save import ReusingSavePlanner, save_state
+from raycheckpoint import testing as faults
+from raycheckpoint._internal.dcp.save import save_state
+from raycheckpoint._internal.dcp.shard_plan import ShardPlan
+from raycheckpoint._internal.dcp.writer import HashingStorageWriter
 from raycheckpoint.errors import InjectedFault
+from raycheckpoint.integrity import digest
 from raycheckpoint.storage import Storage
 
 pytestmark = pytest.mark.timeout(180)
@@ -96,28 +97,28 @@ def _check_staging(root: str, state) -> None:
     DTensor whose placements change (its local shard the same) gets buffers anew."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    from raycheckpoint.snapshot import ShardSaver
+    from raycheckpoint._internal.shard_saver import ShardSaver
     from raycheckpoint.storage import StorageSpec
 
     saver = ShardSaver(role="actor", rank=dist.get_rank(), world_size=dist.get_world_size(),
                        storage=StorageSpec(root))
     s = state()
     for _ in range(2):  # built, then staged against what was built
-        staged = saver._stage("full", s)
+        staged = saver.stager.stage("full", s)
         for k, v in s["model"].items():
             assert isinstance(staged["model"][k], DTensor)
             assert staged["model"][k].placements == v.placements
             assert torch.equal(staged["model"][k].to_local(), v.to_local())
     # from one save to the next each tensor is copied from the very same source, its
     # local memory: a parameter's to_local() is a new view at every call, not taken anew
-    sources = [[src for _, src in saver._plan_stage("full", s)[1]] for _ in range(2)]
+    sources = [[src for _, src in saver.stager.plan("full", s)[1]] for _ in range(2)]
     assert all(a is b for a, b in zip(*sources, strict=True))
     local = {t._local_tensor.data_ptr() for t in s["model"].values()}
     assert local <= {src.data_ptr() for src in sources[0]}
     w = s["model"]["0.weight"]
     s["model"]["0.weight"] = DTensor.from_local(w.to_local(), w.device_mesh, [Replicate()],
                                                 run_check=False)
-    staged = saver._stage("full", s)
+    staged = saver.stager.stage("full", s)
     assert staged["model"]["0.weight"].placements == (Replicate(),)
     assert torch.equal(staged["model"]["0.weight"].to_local(), w.to_local())
 
@@ -129,13 +130,13 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
         storage = Storage(root)
         net, optim, state = _model_and_state(world)
-        planner = ReusingSavePlanner()
+        plan = ShardPlan()
         full_protocol: list[int] = []  # dcp.save calls made by save_state
         torch_save = dcp.save
         dcp.save = _counting(torch_save, full_protocol)
 
         def ours(d: str, note: str = "x") -> None:
-            save_state(state(note), HashingStorageWriter(storage, d), planner, group)
+            save_state(state(note), HashingStorageWriter(storage, d, plan), plan, group)
 
         def torchs(d: str, note: str = "x") -> None:  # torch's planner: one write per record
             torch_save(state(note), storage_writer=HashingStorageWriter(storage, d),
@@ -146,7 +147,7 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
         ours("s2")                        # agreed: no plan exchange, the same .metadata bytes
         assert len(full_protocol) == 1
         # the file was written from its laid-out records (checked against torch's below)
-        layouts = [v[1] for k, v in planner.writer_memo.items() if k[0] == "layout"]
+        layouts = [layout for _, layout in plan.layouts.values()]
         assert layouts and all(layout is not None for layout in layouts)
         torchs("t2")
         net(torch.randn(4, 16)).sum().backward()
@@ -186,9 +187,9 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
         assert len(full_protocol) == calls + 1
         torchs("t7")
 
-        # one rank with a new planner (its buffers changed): every rank plans anew
+        # one rank with a new plan (its buffers changed): every rank plans anew
         if rank == 1:
-            planner = ReusingSavePlanner()
+            plan = ShardPlan()
         calls = len(full_protocol)
         ours("s8")
         assert len(full_protocol) == calls + 1
@@ -249,8 +250,8 @@ def _check_saves_load_exactly(root: str, saves: dict[str, str], differ: tuple[st
 
 
 def _image_rank_main(rank: int, world: int, port: int, root: str) -> None:
-    from raycheckpoint import dcp_io
-    from raycheckpoint.snapshot import ShardSaver
+    from raycheckpoint._internal.dcp import record_layout as dcp_io
+    from raycheckpoint._internal.shard_saver import ShardSaver
     from raycheckpoint.storage import StorageSpec
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -267,13 +268,13 @@ def _image_rank_main(rank: int, world: int, port: int, root: str) -> None:
         dcp.save = _counting(torch_save, full_protocol)
         data_file = f"__{rank}_0.distcp"
 
-        def save(d: str, kind: str = "full") -> tuple[HashingStorageWriter, ReusingSavePlanner]:
-            """As a snapshot then its persist do: stage, then save with the kind's planner."""
-            staged = saver._stage(kind, state() if kind == "full" else {"model": state()["model"]})
-            planner = saver._planners.setdefault(kind, ReusingSavePlanner())
-            writer = HashingStorageWriter(saver.storage, d)
-            save_state(staged, writer, planner, group)
-            return writer, planner
+        def save(d: str, kind: str = "full") -> tuple[HashingStorageWriter, ShardPlan]:
+            """As a snapshot then its persist do: stage, then save with the kind's plan."""
+            staged = saver.stager.stage(kind, state() if kind == "full" else {"model": state()["model"]})
+            plan = saver.plans.setdefault(kind, ShardPlan())
+            writer = HashingStorageWriter(saver.storage, d, plan)
+            save_state(staged, writer, plan, group)
+            return writer, plan
 
         def step() -> None:
             _train_step(net, optim)
@@ -281,11 +282,11 @@ def _image_rank_main(rank: int, world: int, port: int, root: str) -> None:
         def whole_model(d: str) -> None:
             _save_whole_model(net, rank, os.path.join(root, f"{d}-model.pt"))
 
-        writer, planner = save("i1")
+        writer, plan = save("i1")
         whole_model("i1")
-        saver._stage_files_whole("full", planner, writer.results)
-        image = planner.images[data_file]
-        staged = list(saver._staging["full"].tensors())
+        saver._stage_files_whole("full", plan, writer.results)
+        image = plan.images[data_file]
+        staged = list(saver.stager.staging["full"].tensors())
         base = torch.frombuffer(image.block, dtype=torch.uint8).data_ptr()
         assert len(image.indices) == sum(1 for r in writer.results
                                          if r.storage_data.relative_path == data_file)
@@ -307,10 +308,10 @@ def _image_rank_main(rank: int, world: int, port: int, root: str) -> None:
         whole_model("i3")
 
         # a staged tensor moved elsewhere (another kind's block took it, and the saver had
-        # this planner forget what it resolved): record by record, from where it is now
+        # this plan forget what it resolved): record by record, from where it is now
         moved = inside[0]
         moved.set_(moved.clone())
-        planner.forget_tensors()
+        plan.forget_tensors()
         step()
         save("i4")
         whole_model("i4")
@@ -353,7 +354,7 @@ def test_the_planner_flattens_once_and_reads_the_values_afresh():
                 "note": note}
 
     w, b = torch.arange(6.0).reshape(2, 3), torch.ones(3)
-    planner = ReusingSavePlanner()
+    planner = ShardPlan().planner
     flattened: list[int] = []
     real = _nested_dict.flatten_state_dict
     _nested_dict.flatten_state_dict = _counting(real, flattened)
@@ -390,7 +391,7 @@ def test_laid_out_records_write_what_torch_writes(tmp_path, monkeypatch):
     whose non-tensor record grows; torch's reader loads each save back."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from raycheckpoint import dcp_io
+    from raycheckpoint._internal.dcp import record_layout as dcp_io
 
     monkeypatch.setattr(dcp_io, "JOIN_RUN_BYTES", 3000)  # several runs of small records
     big, small = torch.randn(64, 512), [torch.randn(8, 8) for _ in range(12)]
@@ -400,13 +401,13 @@ def test_laid_out_records_write_what_torch_writes(tmp_path, monkeypatch):
                 "lr": 1e-3}
 
     storage = Storage(str(tmp_path))
-    planner = ReusingSavePlanner()
+    plan = ShardPlan()
     for i, note in enumerate(["x", "y", LONGER, LONGER + "!"]):
         with torch.no_grad():
             big.add_(1.0)
             for t in small:
                 t.mul_(2.0)
-        save_state(state(note), HashingStorageWriter(storage, f"s{i}"), planner)
+        save_state(state(note), HashingStorageWriter(storage, f"s{i}", plan), plan)
         dcp.save(state(note), storage_writer=HashingStorageWriter(storage, f"t{i}"),
                    planner=DefaultSavePlanner(), no_dist=True)
         ours, theirs = _files(str(tmp_path), f"s{i}"), _files(str(tmp_path), f"t{i}")
@@ -416,16 +417,17 @@ def test_laid_out_records_write_what_torch_writes(tmp_path, monkeypatch):
         dcp.load(got, storage_reader=FileSystemReader(str(tmp_path / f"s{i}")), no_dist=True)
         assert torch.equal(got["big"], big) and got["note"] == note
         assert all(torch.equal(got["small"][str(k)], t) for k, t in enumerate(small))
-    (layout,) = [v[1] for k, v in planner.writer_memo.items() if k[0] == "layout"]
+    (layout,) = [layout for _, layout in plan.layouts.values()]
     hows = [how for how, _ in layout.segments]
     assert hows.count(dcp_io._AS_IS) == 1 and hows.count(dcp_io._FRESH) == 2
     assert hows.count(dcp_io._JOINED) >= 2
 
 
 def _write_ahead_rank_main(rank: int, world: int, port: int, root: str) -> None:
-    from raycheckpoint import dcp_io
-    from raycheckpoint._internal.write_ahead import CopyFailed, WriteAhead
-    from raycheckpoint.snapshot import ShardSaver
+    from raycheckpoint._internal.dcp import record_layout as dcp_io
+    from raycheckpoint._internal.overlapped_write import CopyFailed, OverlappedWrite
+    from raycheckpoint._internal.persist import SaveTarget
+    from raycheckpoint._internal.shard_saver import ShardSaver
     from raycheckpoint.storage import StorageSpec
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -438,41 +440,42 @@ def _write_ahead_rank_main(rank: int, world: int, port: int, root: str) -> None:
         data_file = f"__{rank}_0.distcp"
         taken: list = []  # what the storage writers took of the early writes
         aheads: list = []  # each save's early write
-        real_take = WriteAhead.take
+        real_take = OverlappedWrite.take
 
         def take(self, rel, block):
             entry = real_take(self, rel, block)
             taken.append((rel, entry))
             return entry
 
-        WriteAhead.take = take
+        OverlappedWrite.take = take
 
         def save(d: str, *, fail_copy: bool = False, forget: bool = False):
             """As a snapshot then its persist do, with the early write between them."""
-            staged, copies, ready = saver._plan_stage("full", state())
-            copies, progress = saver._write_ahead("full", copies, d, None, 30.0)
-            planner = saver._planners.setdefault("full", ReusingSavePlanner())
-            ahead = planner.write_ahead
+            staged, copies, ready = saver.stager.plan("full", state())
+            copies, progress = saver._start_overlapped_write("full", copies,
+                                                             SaveTarget(None, "", d), 30.0)
+            plan = saver.plans.setdefault("full", ShardPlan())
+            ahead = saver._early.get("full")
             aheads.append(ahead)
             failed = None
             if fail_copy:  # this rank's copy fails halfway
                 half = len(copies) // 2
                 copies[half] = (copies[half][0], "not a tensor")
                 with pytest.raises(TypeError) as failed_copy:
-                    saver._copy(copies, ready, progress)
+                    saver.stager.copy(copies, ready, progress)
                 failed = RuntimeError(f"the copy failed: {failed_copy.value}")
             else:
-                saver._copy(copies, ready, progress)
+                saver.stager.copy(copies, ready, progress)
             if forget:  # the staged tensors moved after the snapshot: no image to write
-                planner.forget_tensors()
-            writer = HashingStorageWriter(saver.storage, f"{d}/actor")
+                plan.forget_tensors()
+            writer = HashingStorageWriter(saver.storage, f"{d}/actor", plan, ahead)
             try:
-                save_state(staged, writer, planner, group, failed=failed)
+                save_state(staged, writer, plan, group, failed=failed)
             finally:
-                saver._end_write_ahead("full")
-            if not planner.tried_images:
-                saver._stage_files_whole("full", planner, writer.results)
-            return writer, planner, ahead
+                saver._end_overlapped_write("full")
+            if not plan.tried_images:
+                saver._stage_files_whole("full", plan, writer.results)
+            return writer, plan, ahead
 
         def step() -> None:
             _train_step(net, optim)
@@ -484,49 +487,49 @@ def _write_ahead_rank_main(rank: int, world: int, port: int, root: str) -> None:
             with open(os.path.join(root, d, "actor", data_file), "rb") as f:
                 return f.read()
 
-        _, planner, ahead = save("w1")  # the first save of a plan: nothing written early
-        assert ahead is None and planner.images
+        _, plan, ahead = save("w1")  # the first save of a plan: nothing written early
+        assert ahead is None and plan.images
         whole_model("w1")
 
         step()
-        writer, planner, ahead = save("w2")  # written while the copy filled the block
+        writer, plan, ahead = save("w2")  # written while the copy filled the block
         whole_model("w2")
         rel = f"w2/actor/{data_file}"
         assert ahead is not None and ahead.error is None and not ahead.written
         entry = [e for e in writer.written if e.path == rel]
         assert (rel, entry[0]) in taken, taken
-        assert data("w2") == bytes(planner.images[data_file].view)
+        assert data("w2") == bytes(plan.images[data_file].view)
         assert entry[0].digest == digest.of(data("w2"), "blake3")
-        order = planner.copy_order[2]  # built once per staging and image, then kept
+        order = plan.copy_order[2]  # built once per staging and image, then kept
 
         step()  # rank 1's copy fails: its early write stops, rank 0's goes unused
         taken.clear()
         with pytest.raises(Exception, match="copy failed"):
             save("w3", fail_copy=rank == 1)
         assert not os.path.exists(os.path.join(root, "w3", "actor", data_file))
-        assert saver._planners["full"].write_ahead is None  # ended, the files removed
-        assert saver._planners["full"].copy_order[2] is order
+        assert "full" not in saver._early  # ended, the files removed
+        assert saver.plans["full"].copy_order[2] is order
         if rank == 1:
             assert isinstance(aheads[-1].error, CopyFailed)
         else:
             assert aheads[-1].error is None and not taken  # no storage writer reached it
         taken.clear()
 
-        writer, planner, ahead = save("w4")  # after a failure: the full protocol, written late
+        writer, plan, ahead = save("w4")  # after a failure: the full protocol, written late
         assert ahead is None and not taken
         whole_model("w4")
 
         step()
         saver.writes_ahead = False  # checkpoint.write_ahead=false: the block written late
-        writer, planner, ahead = save("w4b")
-        assert ahead is None and not taken and planner.reused is not None
-        assert data("w4b") == bytes(planner.images[data_file].view)
+        writer, plan, ahead = save("w4b")
+        assert ahead is None and not taken and plan.outcome is not None
+        assert data("w4b") == bytes(plan.images[data_file].view)
         whole_model("w4b")
         saver.writes_ahead = True
 
         step()
-        writer, planner, ahead = save("w5", forget=True)  # the image is gone: record by record
-        assert (f"w5/actor/{data_file}", None) in taken and not planner.images
+        writer, plan, ahead = save("w5", forget=True)  # the image is gone: record by record
+        assert (f"w5/actor/{data_file}", None) in taken and not plan.images
         whole_model("w5")
         dist.barrier(group)
     finally:

@@ -11,7 +11,7 @@ import pytest
 
 from raycheckpoint import CheckpointConfig, IntegrityError, Storage
 from raycheckpoint.admin import verify
-from raycheckpoint.crypto import MAGIC, EncryptionKeyError, FileCipher, key_id, load_key
+from raycheckpoint.integrity.crypto import MAGIC, EncryptionKeyError, FileCipher, key_id, load_key
 from tests.helpers import assert_same, flip_bit, full_state, manager, train
 
 pytestmark = pytest.mark.timeout(300)

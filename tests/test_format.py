@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from raycheckpoint import IncompatibleCheckpointError, ResumableSampler, Storage, resume
+from raycheckpoint import IncompatibleCheckpointError, ResumableSampler, Storage
 from raycheckpoint.export import RoleReader
-from raycheckpoint.format import COMMITTED, FORMAT_VERSION, MANIFEST, VERSION, Manifest, Marker
-from raycheckpoint.resume import open_verified, verify_checkpoint
+from raycheckpoint.protocol import checkpoint as resume
+from raycheckpoint.protocol.checkpoint import open_verified, verify_checkpoint
+from raycheckpoint.protocol.format import FORMAT_VERSION, Manifest, Marker
+from raycheckpoint.protocol.paths import COMMITTED, MANIFEST, VERSION
 from raycheckpoint.storage import FileEntry
 from tests.fixtures.make_format_fixture import tensor_sha
 from tests.helpers import full_state, manager

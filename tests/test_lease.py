@@ -10,8 +10,8 @@ import time
 import pytest
 
 from raycheckpoint import CheckpointSaveError, LeaseHeldError, LeaseLostError, Storage
-from raycheckpoint.format import COMMITTED, LATEST
-from raycheckpoint.lease import LEASE, Lease, LeaseInfo, read_lease
+from raycheckpoint.protocol.lease import Lease, LeaseInfo, read_lease
+from raycheckpoint.protocol.paths import COMMITTED, LATEST, LEASE
 from tests.helpers import manager, train
 
 pytestmark = pytest.mark.timeout(300)

@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from raycheckpoint._internal import faults
+from raycheckpoint import testing as faults
 from raycheckpoint.worker import CheckpointableWorker
 from tests.helpers import (
     RPC_TIMEOUT,

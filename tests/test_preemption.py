@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from raycheckpoint import Storage
-from raycheckpoint.format import COMMITTED, LATEST
+from raycheckpoint.protocol.paths import COMMITTED, LATEST
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -22,7 +22,7 @@ import pytest
 
 from drivers.metrics import read_metrics
 from raycheckpoint import ConfigMismatchError, Storage
-from raycheckpoint.format import COMMITTED, LATEST
+from raycheckpoint.protocol.paths import COMMITTED, LATEST
 from workers.group import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

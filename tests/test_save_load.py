@@ -20,7 +20,7 @@ from raycheckpoint import (
     Storage,
     verify_checkpoint,
 )
-from raycheckpoint.format import COMMITTED, LATEST
+from raycheckpoint.protocol.paths import COMMITTED, LATEST
 from tests.helpers import (
     a_failed_save_then_a_whole_one,
     arm,
@@ -169,7 +169,7 @@ def test_retention_over_many_saves(group2, local_root):
 def test_a_save_is_committed_before_retention_deletes_older_ones(group2, local_root):
     import ray
 
-    from raycheckpoint._internal import faults
+    from raycheckpoint import testing as faults
 
     m = manager(local_root, {"actor": group2}, config={"keep_last_n": 1})
     st = Storage(local_root)
@@ -410,7 +410,7 @@ def test_frozen_weights_are_written_once_and_kept_while_referenced(group2, group
             m.save_checkpoint().wait(120)
         assert m.wait_for_cleanup(60)["deleted"] == ["step_00000002"]
         st = Storage(local_root)
-        from raycheckpoint.format import Manifest
+        from raycheckpoint.protocol.format import Manifest
 
         manifest = Manifest.from_bytes(st.read_bytes("step_00000003/manifest.msgpack"))
         assert manifest.roles["reward"].dcp_dir == "step_00000001/reward"

@@ -16,7 +16,7 @@ import pytest
 import ray
 import torch
 
-from raycheckpoint._internal import faults
+from raycheckpoint import testing as faults
 from raycheckpoint.storage import Storage
 from raycheckpoint.worker import CheckpointableWorker
 from tests.helpers import RPC_TIMEOUT, Reports, TinyWorker

@@ -14,8 +14,8 @@ import dataclasses
 import pytest
 import torch
 
-import raycheckpoint.snapshot as snapshot
-from raycheckpoint.snapshot import ShardSaver
+import raycheckpoint._internal.staging as staging_module
+from raycheckpoint._internal.shard_saver import ShardSaver
 from raycheckpoint.storage import StorageSpec
 
 
@@ -64,20 +64,20 @@ def saver(tmp_path):
 def signatures(monkeypatch):
     """How many times a saver walked a state for its signature (= built its staging)."""
     calls = []
-    real = snapshot.signature
+    real = staging_module.signature
 
     def counted(obj, prefix=""):
         if not prefix:
             calls.append(1)
         return real(obj, prefix)
 
-    monkeypatch.setattr(snapshot, "signature", counted)
+    monkeypatch.setattr(staging_module, "signature", counted)
     return calls
 
 
 def test_later_saves_stage_into_the_same_buffers_with_one_walk(saver, signatures):
     state = _state()
-    first = saver._stage("full", state)
+    first = saver.stager.stage("full", state)
     _assert_staged(first, state)
     built = len(signatures)
     for i in range(3):  # training: tensors change in place, leaves change value
@@ -85,7 +85,7 @@ def test_later_saves_stage_into_the_same_buffers_with_one_walk(saver, signatures
         state["optim"]["state"]["w"]["step"].add_(1.0)
         state["optim"]["param_groups"][0]["lr"] = 0.01 / (i + 2)
         state["note"].text = f"step {i}"
-        staged = saver._stage("full", state)
+        staged = saver.stager.stage("full", state)
         _assert_staged(staged, state)
         assert staged["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()
         assert staged["optim"]["param_groups"][0]["lr"] == 0.01 / (i + 2)
@@ -105,10 +105,10 @@ def _swap_data(state):
                          ids=["same-layout-tensor", "same-object-new-memory"])
 def test_a_tensor_over_new_memory_is_copied_from_that_memory(saver, signatures, change):
     state = _state()
-    first = saver._stage("full", state)
+    first = saver.stager.stage("full", state)
     built = len(signatures)
     change(state)
-    staged = saver._stage("full", state)
+    staged = saver.stager.stage("full", state)
     _assert_staged(staged, state)
     assert staged["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # same buffer
     assert len(signatures) == built  # no new buffers for the same layout
@@ -131,23 +131,23 @@ def _list_to_value(s): s["optim"]["param_groups"][0]["params"] = "w,b"
     _longer_list, _tuple_to_list, _list_to_value])
 def test_a_changed_structure_is_staged_anew(saver, signatures, change):
     state = _state()
-    saver._stage("full", state)
+    saver.stager.stage("full", state)
     built = len(signatures)
     change(state)
-    staged = saver._stage("full", state)
+    staged = saver.stager.stage("full", state)
     _assert_staged(staged, state)
     assert len(signatures) > built
     rebuilt = len(signatures)
-    again = saver._stage("full", state)  # and the new structure is the one kept
+    again = saver.stager.stage("full", state)  # and the new structure is the one kept
     _assert_staged(again, state)
     assert len(signatures) == rebuilt
 
 
 def test_light_and_full_share_buffers_and_keep_their_own_staging(saver):
     state = _state()
-    full = saver._stage("full", state)
-    light = saver._stage("light", {"model": state["model"]})
+    full = saver.stager.stage("full", state)
+    light = saver.stager.stage("light", {"model": state["model"]})
     assert light["model"]["w"].data_ptr() == full["model"]["w"].data_ptr()
     state["model"]["w"].add_(1.0)
-    _assert_staged(saver._stage("light", {"model": state["model"]}), {"model": state["model"]})
-    _assert_staged(saver._stage("full", state), state)
+    _assert_staged(saver.stager.stage("light", {"model": state["model"]}), {"model": state["model"]})
+    _assert_staged(saver.stager.stage("full", state), state)

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from raycheckpoint import digest
+from raycheckpoint.integrity import digest
 from raycheckpoint.storage import Storage
 
 
@@ -33,7 +33,7 @@ def test_write_read_hash_and_ranges(storage):
 
 
 def test_read_into_fills_the_buffer_or_says_the_size(storage, monkeypatch):
-    from raycheckpoint import storage as storage_module
+    from raycheckpoint.storage import base as storage_module
 
     monkeypatch.setattr(storage_module, "READ_STEP", 1000)  # several pieces
     data = bytes(range(256)) * 20
@@ -54,7 +54,7 @@ def test_files_are_hashed_with_the_storages_algorithm_and_checked_by_their_own(t
     """BLAKE3 digests carry their name; sha256 ones are the bare hex format 1 wrote.  A
     digest is checked with the algorithm that made it, whatever the reader writes."""
     from raycheckpoint import IntegrityError
-    from raycheckpoint.integrity import verify_bytes, verify_file
+    from raycheckpoint.integrity.verify import verify_bytes, verify_file
 
     data = bytes(range(256)) * 999
     entry = Storage(str(tmp_path), checksum=algorithm).write_bytes("f.bin", data)
@@ -89,7 +89,7 @@ def test_large_chunks_are_hashed_beside_the_write(storage):
     import os
     import threading
 
-    from raycheckpoint.storage import PARALLEL_HASH_BYTES
+    from raycheckpoint.storage.writer import PARALLEL_HASH_BYTES
 
     big = os.urandom(PARALLEL_HASH_BYTES + 7)
     chunks = [b"head" * 10, big, memoryview(big)[5:], b"tail"]  # small, large, large, small
@@ -118,10 +118,10 @@ def test_pieces_are_written_whole_and_hashed_in_order(storage, monkeypatch, cap)
     written whole, in order."""
     import os
 
-    from raycheckpoint import storage as storage_mod
+    from raycheckpoint.storage import posix, writer
 
     if cap is not None:
-        if not storage.is_posix:
+        if not storage.caps.local_paths:
             pytest.skip("os.writev is the POSIX path")
         real = os.writev
 
@@ -129,9 +129,9 @@ def test_pieces_are_written_whole_and_hashed_in_order(storage, monkeypatch, cap)
             head = b"".join(bytes(b) for b in buffers)[:cap]  # a partial write of the first bytes
             return real(fd, [head])
 
-        monkeypatch.setattr(storage_mod.os, "writev", short_writev)
-    big = os.urandom(storage_mod.PARALLEL_HASH_BYTES + 3)
-    pieces = [bytes([i % 251]) * (i % 5) for i in range(2 * storage_mod.IOV_MAX + 3)]  # empty ones too
+        monkeypatch.setattr(posix.os, "writev", short_writev)
+    big = os.urandom(writer.PARALLEL_HASH_BYTES + 3)
+    pieces = [bytes([i % 251]) * (i % 5) for i in range(2 * posix.IOV_MAX + 3)]  # empty ones too
     pieces[100] = memoryview(big)  # a large piece: hashed beside the write
     with storage.open_write("s/pieces.bin") as w:
         w.write(b"before")
@@ -187,14 +187,14 @@ def test_file_uri_and_plain_path_agree(tmp_path):
     a = Storage(f"file://{tmp_path}")
     b = Storage(str(tmp_path))
     a.write_bytes("f", b"data")
-    assert b.read_bytes("f") == b"data" and a.is_posix and b.is_posix
+    assert b.read_bytes("f") == b"data" and a.caps.local_paths and b.caps.local_paths
 
 
 def _direct_supported(root) -> bool:
     import errno
     import os
 
-    from raycheckpoint.direct_io import O_DIRECT
+    from raycheckpoint.storage.direct_io import O_DIRECT
 
     probe = os.path.join(str(root), f".probe-{uuid.uuid4().hex}")
     try:
@@ -240,7 +240,7 @@ def test_direct_writes_are_the_same_bytes_and_bypass_the_page_cache(tmp_path, di
     holds exactly the bytes written, with their checksum, and none of them is cached."""
     import os
 
-    from raycheckpoint import direct_io as dio
+    from raycheckpoint.storage import direct_io as dio
 
     if not _direct_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
@@ -273,7 +273,7 @@ def test_direct_writes_fall_back_where_the_filesystem_refuses_them(tmp_path, mon
     import errno
     import os
 
-    from raycheckpoint import direct_io
+    from raycheckpoint.storage import direct_io
 
     if not _direct_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
@@ -312,7 +312,7 @@ def test_direct_writes_copy_the_next_chunk_while_one_is_written(tmp_path, monkey
     import os
     import threading
 
-    from raycheckpoint import direct_io
+    from raycheckpoint.storage import direct_io
 
     if not _direct_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
@@ -355,7 +355,7 @@ def test_a_page_aligned_piece_is_written_from_its_own_memory(tmp_path, monkeypat
 
     import numpy as np
 
-    from raycheckpoint import direct_io
+    from raycheckpoint.storage import direct_io
 
     if not _direct_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
@@ -377,7 +377,7 @@ def test_a_page_aligned_piece_is_written_from_its_own_memory(tmp_path, monkeypat
     st = Storage(str(tmp_path))
     with st.open_write("s/aligned.bin", direct=True) as w:
         w.write_many(pieces[:1])
-        assert w._direct._in_flight is None and w._direct._fill == 5000 - 4096
+        assert w._sink.file._in_flight is None and w._sink.file._fill == 5000 - 4096
         w.write_many(pieces[1:])  # the file is no longer whole pages: through buffers
     expected = b"".join(bytes(p) for p in pieces)
     assert (tmp_path / "s" / "aligned.bin").read_bytes() == expected
@@ -391,7 +391,7 @@ def test_a_failed_background_direct_write_is_raised_with_its_cause(tmp_path, mon
     import errno
     import os
 
-    from raycheckpoint import direct_io
+    from raycheckpoint.storage import direct_io
 
     if not _direct_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
@@ -432,9 +432,9 @@ def test_a_block_is_written_while_its_copy_fills_it(tmp_path, monkeypatch):
     import numpy as np
     import torch
 
-    from raycheckpoint import direct_io
-    from raycheckpoint._internal import write_ahead
-    from raycheckpoint._internal.write_ahead import CopyFailed, CopyOrder
+    from raycheckpoint._internal import overlapped_write as write_ahead
+    from raycheckpoint._internal.overlapped_write import CopyFailed, CopyOrder
+    from raycheckpoint.storage import direct_io
 
     if not _direct_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
@@ -489,14 +489,14 @@ def test_a_block_is_written_while_its_copy_fills_it(tmp_path, monkeypatch):
         copier.start()
         hashed: list[int] = []
         w = st.open_write(name, direct=True)
-        real_hasher = w._direct._hasher
+        real_hasher = w._sink.file._hasher
 
         class Recording:
             def update(self, data):
                 hashed.append(memoryview(data).nbytes)
                 real_hasher.update(data)
 
-        w._direct._hasher = Recording()
+        w._sink.file._hasher = Recording()
         outcome: list = []
 
         def write() -> None:
@@ -540,7 +540,7 @@ def test_a_block_is_written_while_its_copy_fills_it(tmp_path, monkeypatch):
 
     outcome, _, hashed, w = run("s/failed.bin", fail=True)
     assert isinstance(outcome[0], CopyFailed) and w.error is outcome[0]
-    assert w._direct._in_flight is None and not hashed
+    assert w._sink.file._in_flight is None and not hashed
 
 
 def test_an_early_write_never_waits_for_its_hashing(tmp_path, monkeypatch):
@@ -552,7 +552,7 @@ def test_an_early_write_never_waits_for_its_hashing(tmp_path, monkeypatch):
     import os
     import threading
 
-    from raycheckpoint import direct_io
+    from raycheckpoint.storage import direct_io
 
     if not _direct_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
@@ -573,7 +573,7 @@ def test_an_early_write_never_waits_for_its_hashing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(direct_io.DirectFile, "_write_out", counting)
     w = Storage(str(tmp_path)).open_write("s/early.bin", direct=True)
-    real_hasher = w._direct._hasher
+    real_hasher = w._sink.file._hasher
     waited: list[bool] = []
 
     class AfterTheWrites:
@@ -581,7 +581,7 @@ def test_an_early_write_never_waits_for_its_hashing(tmp_path, monkeypatch):
             waited.append(all_written.wait(5))
             real_hasher.update(piece)
 
-    w._direct._hasher = AfterTheWrites()
+    w._sink.file._hasher = AfterTheWrites()
     assert w.write_as_filled(memoryview(block), lambda k: None, lambda: None) == n
     entry = w.close()
     assert waited == [True] * chunks

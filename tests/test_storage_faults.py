@@ -17,8 +17,8 @@ import time
 import pytest
 
 from raycheckpoint import CheckpointSaveError, Storage
-from raycheckpoint._internal.retry import is_transient
 from raycheckpoint.admin import verify
+from raycheckpoint.storage.retry import is_transient
 from tests.helpers import REPORTS, manager, train
 from tests.s3proxy import FaultProxy
 

@@ -6,7 +6,7 @@ import os
 import signal
 
 from raycheckpoint import CheckpointConfig
-from raycheckpoint.triggers import PreemptionFlag, SaveTriggers
+from raycheckpoint.policy.triggers import PreemptionFlag, SaveTriggers
 
 
 class Clock:

@@ -18,9 +18,11 @@ from raycheckpoint import (
     capture_rng,
     restore_rng,
 )
-from raycheckpoint.format import Manifest, Marker, RoleLayout, parse_step_dir, step_dir_name, validate_tag
-from raycheckpoint.resume import check_version, config_diff
-from raycheckpoint.retention import RetentionPolicy
+from raycheckpoint.policy.retention import RetentionPolicy
+from raycheckpoint.protocol.checkpoint import check_version
+from raycheckpoint.protocol.format import Manifest, Marker, RoleLayout
+from raycheckpoint.protocol.paths import parse_step_dir, step_dir_name, validate_tag
+from raycheckpoint.resume import config_diff
 from raycheckpoint.storage import FileEntry
 
 
@@ -147,7 +149,7 @@ def test_persist_priority_is_lowered_for_the_persist_thread_only(start, lower, e
     """Relative to the thread's own nice value: a Ray worker's threads start at 15."""
     import threading
 
-    from raycheckpoint.snapshot import _lower_priority
+    from raycheckpoint._internal.persist import lower_priority as _lower_priority
 
     seen = {}
 
@@ -176,7 +178,7 @@ def test_a_once_call_lets_go_of_its_function(fails):
     import gc
     import weakref
 
-    from raycheckpoint.snapshot import _Once
+    from raycheckpoint._internal.persist import _Once
 
     class Answer:
         calls = 0

@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from raycheckpoint.format import rng_file
+from raycheckpoint.protocol.paths import rng_file
 from raycheckpoint.state import capture_rng, restore_rng
 from raycheckpoint.worker import CheckpointableWorker
 from tests.helpers import RPC_TIMEOUT, Reports, TinyWorker
@@ -68,7 +68,7 @@ def test_the_rng_file_is_read_beside_the_tensors_only_from_an_object_store(
     assert out["skipped"] == []
     assert all(torch.equal(saved[k], v) for k, v in w.net.state_dict().items())
     readers = [name for rel, name in reads if rel == rng]
-    if storage.is_posix:
+    if storage.caps.local_paths:
         assert readers == [threading.current_thread().name]
     else:
         assert readers == ["raycheckpoint-load-extra_0"]

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
 )
 
-from raycheckpoint._internal import faults
+from raycheckpoint import testing
 from raycheckpoint.worker import optimizer_state_dict
 from workers.sharded import ShardedModelWorker
 
@@ -113,7 +113,7 @@ class FSDPTrainWorker(ShardedModelWorker):
         return float(torch.rand(()))
 
     def arm_fault(self, point: str, action: str = "raise") -> None:
-        faults.arm(point, action)
+        testing.arm(point, action)
 
     def disarm_faults(self) -> None:
-        faults.disarm()
+        testing.disarm()

@@ -1,4 +1,4 @@
-"""Named fault points for fault-injection tests.
+"""Named fault points for fault-injection tests (armed through :mod:`raycheckpoint.testing`).
 
 Production code calls :func:`check` at each named step of the save protocol
 (``storage.write``, ``worker.before_report`` ...).  Nothing happens unless a test

@@ -1,8 +1,9 @@
-"""Host staging: how one state dict's structure is staged into its host buffers.
+"""Host staging: a rank's host buffers, and how a state dict is staged into them.
 
+:class:`HostStager` owns a rank's buffers per kind of save and makes the copies.
 :class:`Staging` is compiled once per structure (the state dict a worker's
 ``ckpt_state_dict`` returns, over the buffers allocated for it) and walked at each save
-by :class:`~raycheckpoint.snapshot.ShardSaver`: the walk checks that the structure is
+by the stager: the walk checks that the structure is
 still the one compiled (same keys, lengths, tensor shapes, dtypes and placements, no
 leaf turned into a tensor or container) and lists the (destination, source) pairs of
 the host copy.  :func:`signature` describes a structure for choosing (and sharing)
@@ -12,10 +13,11 @@ buffers; :func:`touch` faults fresh buffers in before a first save needs them.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
 
 
@@ -108,7 +110,7 @@ class Staging:
     def restage(self, state: dict[str, Any],
                 copies: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any] | None:
         """``state``'s structure over the buffers, its tensor copies appended to ``copies``
-        as (destination, source) pairs, for :meth:`ShardSaver._copy` to make now or beside
+        as (destination, source) pairs, for :meth:`HostStager.copy` to make now or beside
         training; None where the structure changed.  Non-tensor leaves (learning rates,
         step counters) change between saves too: they are taken anew, never from an
         earlier save."""
@@ -203,3 +205,98 @@ def tensor_bytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     return 0
+
+
+class HostStager:
+    """One rank's host copies: the buffers of each kind of save, each kind's
+    :class:`Staging`, and the copy itself.
+
+    Buffers are allocated on first use (or ahead of time by :meth:`prepare`), pinned
+    where CUDA is present, and reused afterwards; a light save's buffers are the model
+    part of the full save's.  ``on_new_buffers(kind)`` is told when a kind gets new
+    buffers (whatever was derived from the old ones is stale); ``who`` names the rank
+    in errors.  On a GPU the copy runs on
+    a stream of its own, after the training stream's work that produced the state.
+    """
+
+    def __init__(self, who: str = "", on_new_buffers: Callable[[str], None] = lambda kind: None
+                 ) -> None:
+        self.who = who
+        self.pin_memory = torch.cuda.is_available()
+        self.staging: dict[str, Staging] = {}
+        self._buffers: dict[str, tuple[list[tuple], dict[str, Any]]] = {}
+        self._on_new_buffers = on_new_buffers
+        self._copy_stream: Any = None
+
+    def buffers_for(self, kind: str, state: dict[str, Any]) -> dict[str, Any]:
+        """The host buffers for ``state``'s structure, allocated on first use."""
+        sig = signature(state)
+        cached = self._buffers.get(kind)
+        if cached is not None and cached[0] == sig:
+            return cached[1]
+        buffers = None
+        for _, other in self._buffers.values():  # light = the model part of full: share it
+            if set(state) <= set(other) and all(
+                    signature({k: state[k]}) == signature({k: other[k]}) for k in state):
+                buffers = {k: other[k] for k in state}
+                break
+        if buffers is None:
+            buffers = _create_cpu_state_dict(state, pin_memory=self.pin_memory)
+        self._buffers[kind] = (sig, buffers)
+        self._on_new_buffers(kind)
+        return buffers
+
+    def prepare(self, kind: str, state: dict[str, Any]) -> int:
+        """Allocate and touch the buffers now, so the first save's stall is a plain copy.
+
+        Fresh memory costs a page fault per page on first write (about 10x a copy into
+        memory already touched); paying it here keeps it out of training's blocked time.
+        Returns the bytes prepared.
+        """
+        with torch.no_grad():
+            buffers = self.buffers_for(kind, state)
+            touch(buffers)
+            return tensor_bytes(buffers)
+
+    def plan(self, kind: str, state: dict[str, Any]) -> tuple[dict[str, Any], list, Any]:
+        """The staged structure, its tensor copies still to make, and (GPU) the event the
+        copies must wait for: the training stream's work that produced the state."""
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staging = self.staging.get(kind)
+        staged = None if staging is None else staging.restage(state, copies)
+        if staged is None:  # first save of this kind, or the structure changed
+            staging = Staging(state, self.buffers_for(kind, state))
+            staged = staging.restage(state, copies)
+            if staged is None:
+                raise RuntimeError(f"{self.who}: the state changed while staged")
+            self.staging[kind] = staging
+        ready = None
+        if self.pin_memory:
+            ready = torch.cuda.Event()
+            ready.record()
+        return staged, copies, ready
+
+    def copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]], ready: Any,
+             progress: Any = None) -> None:
+        """Make the host copies (GPU: on a stream of its own, after ``ready``);
+        ``progress`` (a :class:`~raycheckpoint._internal.overlapped_write.CopyProgress`)
+        is told of each copy, and of the end (whatever happens)."""
+        if progress is not None:
+            progress.copy(copies)
+            return
+        if ready is None:
+            copy_tensors(copies)
+            return
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(ready)
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+        self._copy_stream.synchronize()
+
+    def stage(self, kind: str, state: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`plan` and :meth:`copy` at once: ``state`` staged."""
+        staged, copies, ready = self.plan(kind, state)
+        self.copy(copies, ready)
+        return staged

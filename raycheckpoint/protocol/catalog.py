@@ -1,10 +1,12 @@
-"""Reading what a root holds: committed markers, the catalog cache, LATEST and tags.
+"""What a root holds: committed markers, the catalog cache, LATEST and tags.
 
 Truth is on storage: the set of step directories holding ``COMMITTED``.
 ``catalog.json`` and ``LATEST`` are caches of it; :func:`scan` reads the markers
 themselves, and :func:`expected_latest` / :func:`catalog_doc` say what the caches
-should hold.  Used by the coordinator (recovery, retention) and by resume (resolving a
-reference); writes happen only in the coordinator.
+should hold.  The caches and tag pointers are written here and nowhere else
+(:func:`write_catalog`, :func:`write_latest`, :func:`write_tag`), by the coordinator
+(:mod:`~raycheckpoint.protocol.root`) and by ``raycheckpoint tag`` / ``untag``.
+Readers: the coordinator (recovery, retention), resume (resolving a reference), admin.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ import json
 from typing import Any
 
 from raycheckpoint.errors import IntegrityError
-from raycheckpoint.format import (
+from raycheckpoint.protocol.format import FORMAT_VERSION, Marker, json_bytes
+from raycheckpoint.protocol.paths import (
     CATALOG,
-    COMMITTED,
-    FORMAT_VERSION,
     LATEST,
+    LATEST_LINK,
     TAGS_DIR,
-    Marker,
+    CheckpointPaths,
     parse_step_dir,
+    tag_path,
 )
 from raycheckpoint.storage import Storage
 
@@ -37,7 +40,7 @@ def step_dirs(storage: Storage) -> list[str]:
 
 def read_marker(storage: Storage, name: str) -> Marker | None:
     """The marker of ``name``; None when absent; IntegrityError when unreadable."""
-    rel = f"{name}/{COMMITTED}"
+    rel = CheckpointPaths(name).committed
     try:
         data = storage.read_bytes(rel)
     except FileNotFoundError:
@@ -93,7 +96,7 @@ def read_tags(storage: Storage) -> dict[str, str]:
     for tag in storage.list_dir(TAGS_DIR):
         if tag.startswith(".tmp-"):
             continue
-        target = read_pointer(storage, f"{TAGS_DIR}/{tag}")
+        target = read_pointer(storage, tag_path(tag))
         if target:
             tags[tag] = target
     return tags
@@ -120,3 +123,19 @@ def read_catalog(storage: Storage) -> dict[str, Any] | None:
         return None
     except ValueError:
         return None  # a torn or corrupt cache is rebuilt from the markers
+
+
+def write_catalog(storage: Storage, markers: list[Marker], tags: dict[str, str]) -> None:
+    """Replace ``catalog.json`` with the catalog of ``markers`` and ``tags``."""
+    storage.write_pointer(CATALOG, json_bytes(catalog_doc(markers, tags)))
+
+
+def write_latest(storage: Storage, name: str) -> None:
+    """Point ``LATEST`` (and, where the backend has symlinks, ``latest``) at ``name``."""
+    storage.write_pointer(LATEST, (name + "\n").encode())
+    storage.symlink(LATEST_LINK, name)
+
+
+def write_tag(storage: Storage, tag: str, name: str) -> None:
+    """Point ``tag`` at the checkpoint ``name``."""
+    storage.write_pointer(tag_path(tag), (name + "\n").encode())

@@ -1,5 +1,5 @@
 """torch DCP StorageReader over :class:`~raycheckpoint.storage.Storage`, verifying
-what it reads: the checkpoints :mod:`raycheckpoint.dcp_io` writes.
+what it reads: the checkpoints :mod:`~raycheckpoint._internal.dcp.writer` writes.
 
 * The reader checks every file it opens against the verified manifest (presence,
   size, checksum), and a flipped bit raises :class:`~raycheckpoint.errors.IntegrityError`
@@ -7,11 +7,11 @@ what it reads: the checkpoints :mod:`raycheckpoint.dcp_io` writes.
   local data file's checksum is computed in a helper thread while its tensors are copied
   out (only tensor records are read before that; non-tensor items, which DCP unpickles,
   wait for the check), and checked before the load returns;
-* on local disk a data file is memory-mapped and each tensor is copied straight from the
+* where the storage has local paths a data file is memory-mapped and each tensor is copied straight from the
   mapping into its destination: no per-item buffer, no intermediate tensor, and for a
   record of the layout the metadata names no zip parsing either
-  (:mod:`raycheckpoint.records`);
-* on object stores a data file's body streams into one buffer of its listed size
+  (:mod:`~raycheckpoint._internal.dcp.torch_records`);
+* elsewhere (object stores) a data file's body streams into one buffer of its listed size
   (:meth:`~raycheckpoint.storage.Storage.read_into`), which is verified before anything
   is copied out of it; :meth:`VerifyingStorageReader.prefetch` starts reading the files a
   rank's load needs while DCP plans.
@@ -26,13 +26,11 @@ import mmap
 import os
 import pickle
 import threading
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
@@ -41,34 +39,25 @@ from torch.distributed.checkpoint import (
     Metadata,
     StorageReader,
 )
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from raycheckpoint import digest
-from raycheckpoint.dcp_io import DCP_SUFFIX
-from raycheckpoint.dcp_load import LayoutCachingLoadPlanner, copy_run
-from raycheckpoint.direct_io import address
+from raycheckpoint._internal.dcp import read_ahead
+from raycheckpoint._internal.dcp.load_plan import copy_run
+from raycheckpoint._internal.dcp.read_ahead import page_in, receive_buffer
+from raycheckpoint._internal.dcp.torch_records import load_record, record_data_offset, record_tensor
+from raycheckpoint._internal.dcp.writer import DCP_SUFFIX
 from raycheckpoint.errors import IntegrityError
-from raycheckpoint.format import DCP_METADATA
-from raycheckpoint.integrity import check_digest, check_size, verify_bytes
-from raycheckpoint.records import load_record, record_data_offset, record_tensor
+from raycheckpoint.integrity import digest
+from raycheckpoint.integrity.verify import check_digest, check_size, missing, read_verified
+from raycheckpoint.protocol.paths import dcp_metadata
 from raycheckpoint.storage import FileEntry, Storage
+from raycheckpoint.storage.direct_io import address
 
 # what a rank's parallel reads may hold in memory at once where files are not mapped
 PARALLEL_READ_BYTES = 4 << 30
-# how much of each data file a load reads into the page cache ahead of its own reads
-# (VerifyingStorageReader.prefetch), in steps of PREFETCH_STEP: DCP's planning lasts
-# 20-40 ms, and the load's reads follow right behind; a bound keeps a huge shard from
-# crowding the page cache.  Where the kernel has to be asked with POSIX_FADV_WILLNEED, it
-# reads at most the device's readahead window per call (8 MB on the test machines, often
-# less elsewhere), so a step is no larger.
-PREFETCH_BYTES = 1 << 30
-PREFETCH_STEP = 8 << 20
-
-
 class VerifyingStorageReader(StorageReader):
     """Reads a DCP directory, checking each file against the manifest before use."""
 
@@ -91,12 +80,9 @@ class VerifyingStorageReader(StorageReader):
         self._fetch_pool: ThreadPoolExecutor | None = None
 
     def _read_verified(self, rel: str) -> bytes:
-        try:
-            data = self.storage.read_bytes(rel)
-        except FileNotFoundError as e:
-            raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
-        verify_bytes(rel, data, self.expected.get(rel), checksums=self.checksums)
-        return self.storage.decrypted(rel, data)  # authenticated decryption when encrypted
+        """A small file (``.metadata``) read whole, verified and decrypted."""
+        return read_verified(self.storage, rel, self.expected.get(rel), checksums=self.checksums,
+                             decrypt=True)
 
     def _record(self, rel: str, blob: memoryview, req: Any) -> memoryview:
         info: _StorageInfo = self.storage_data[req.storage_index]
@@ -157,14 +143,14 @@ class VerifyingStorageReader(StorageReader):
         read, verified and decrypted first (:meth:`_whole_file`, or what :meth:`prefetch`
         started of it).
         """
-        if self.storage.cipher is not None or not self.storage.is_posix:
+        if self.storage.cipher is not None or not self.storage.caps.local_paths:
             fetched = self._fetched.pop(rel, None)
             yield self._whole_file(rel) if fetched is None else fetched.result()
             return
         try:
             f = open(self.storage.full_path(rel), "rb")  # noqa: SIM115 - closed below
         except FileNotFoundError as e:
-            raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
+            raise missing(rel) from e
         with f:
             size = os.fstat(f.fileno()).st_size
             expected = check_size(rel, size, self.expected.get(rel))
@@ -218,7 +204,7 @@ class VerifyingStorageReader(StorageReader):
         try:
             size = self.storage.read_into(rel, buf)
         except FileNotFoundError as e:
-            raise IntegrityError(f"{rel}: missing from storage", path=rel) from e
+            raise missing(rel) from e
         check_size(rel, size, expected)
         if self.checksums:
             check_digest(rel, digest.like(buf, expected.digest, threads=self.hash_threads), expected)
@@ -233,9 +219,10 @@ class VerifyingStorageReader(StorageReader):
         and matching every item against the saved chunks take 20-40 ms at 788 items a
         rank, with the disk idle (~60 ms from S3, where ``.metadata`` is a round trip).
         Meanwhile up to ``parallel_files`` threads stream the files, each file's first
-        :data:`PREFETCH_BYTES`, into the page cache (:func:`_page_in`), and the load's
-        reads then find them there or follow right behind.  Only a head start: the load
-        reads and verifies every byte as before, a file not prefetched is read when the
+        :data:`~.read_ahead.PREFETCH_BYTES`, into the page cache
+        (:func:`~.read_ahead.page_in`), and the load's reads then find them there or
+        follow right behind.  Only a head start: the load reads and verifies every byte
+        as before, a file not prefetched is read when the
         plan reaches it, and one prefetched in vain costs disk time and page cache,
         nothing else.  The reads stop at :meth:`stop_prefetch` (the end of the load).
         Returns the thread that waits for the page-cache reads, or None where there are
@@ -246,7 +233,7 @@ class VerifyingStorageReader(StorageReader):
                 if rel.startswith(prefixes) and rel.endswith(DCP_SUFFIX)]
         if not rels:
             return None
-        if not self.storage.is_posix:
+        if not self.storage.caps.local_paths:
             self._fetch_whole(rels)
             return None
         if not hasattr(os, "sendfile"):
@@ -258,7 +245,7 @@ class VerifyingStorageReader(StorageReader):
             with ThreadPoolExecutor(min(self.parallel_files, len(paths)),
                                     thread_name_prefix="raycheckpoint-load-prefetch") as pool:
                 for path in paths:
-                    pool.submit(_page_in, path, PREFETCH_BYTES, stop)
+                    pool.submit(page_in, path, read_ahead.PREFETCH_BYTES, stop)
 
         thread = threading.Thread(target=run, name="raycheckpoint-load-prefetch", daemon=True)
         thread.start()
@@ -304,7 +291,7 @@ class VerifyingStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
-            data = self._read_verified(f"{self.dcp_dir}/{DCP_METADATA}")
+            data = self._read_verified(dcp_metadata(self.dcp_dir))
             metadata = pickle.loads(data)  # noqa: S301 - checksum verified against the manifest
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -358,7 +345,7 @@ class VerifyingStorageReader(StorageReader):
         per_file = dict(sorted(per_file.items(),
                                key=lambda kv: f"{self.dcp_dir}/{kv[0]}" not in self._fetched))
         workers = min(self.parallel_files, len(per_file))
-        if workers > 1 and not (self.storage.is_posix and self.storage.cipher is None):
+        if workers > 1 and not (self.storage.caps.local_paths and self.storage.cipher is None):
             largest = max((e.size for e in (self.expected.get(f"{self.dcp_dir}/{name}")
                                             for name in per_file) if e is not None), default=0)
             workers = min(workers, max(1, PARALLEL_READ_BYTES // max(largest, 1)))
@@ -384,105 +371,8 @@ class VerifyingStorageReader(StorageReader):
 def _default_targets(planner: LoadPlanner) -> bool:
     """Whether ``planner`` finds, narrows and commits targets as DCP's default planner
     does, so that an item may be copied into its target without asking it
-    (:func:`~raycheckpoint.dcp_load.copy_run`)."""
+    (:func:`~raycheckpoint._internal.dcp.load_plan.copy_run`)."""
     kind = type(planner)
     return isinstance(planner, DefaultLoadPlanner) and all(
         getattr(kind, name) is getattr(DefaultLoadPlanner, name)
         for name in ("resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor"))
-
-
-def _page_in(path: str, limit: int, stop: threading.Event) -> None:
-    """Read ``path``'s first ``limit`` bytes into the page cache, :data:`PREFETCH_STEP`
-    at a time, until ``stop`` is set.
-
-    ``sendfile`` to ``/dev/null`` reads the file through the page cache and copies it
-    nowhere: 250 MB took ~10 ms of CPU here, against ~90 ms read into a buffer.
-    ``POSIX_FADV_WILLNEED`` alone is no substitute: the kernel caps each call at the
-    device's readahead window (one call for a whole 250 MB file cached 8 MB of it).  It
-    serves where ``sendfile`` is refused, one step per call.  Errors are left to the
-    load, which reads every file itself.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # the load itself names a missing file
-    offset = 0
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        try:
-            while offset < limit and not stop.is_set():
-                n = os.sendfile(null, fd, offset, min(PREFETCH_STEP, limit - offset))
-                if n <= 0:
-                    return  # the end of the file
-                offset += n
-        finally:
-            os.close(null)
-    except OSError:
-        if hasattr(os, "posix_fadvise"):
-            size = min(limit, os.fstat(fd).st_size)
-            while offset < size and not stop.is_set():
-                try:
-                    os.posix_fadvise(fd, offset, PREFETCH_STEP, os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    return
-                offset += PREFETCH_STEP
-    finally:
-        os.close(fd)
-
-
-def overlapping_ranks(rank: int, world_size: int, saved_world_size: int) -> range:
-    """The saved ranks whose share of an evenly split dimension overlaps ``rank``'s.
-
-    That is FSDP's layout (each parameter split on dim 0): the saved ranks whose files a
-    load into ``world_size`` ranks reads most of; their own rank alone when the world
-    size is unchanged.
-    """
-    if world_size <= 0 or saved_world_size <= 0:
-        return range(0)
-    lo = rank * saved_world_size // world_size
-    hi = -(-(rank + 1) * saved_world_size // world_size)
-    return range(lo, min(hi, saved_world_size))
-
-
-def receive_buffer(size: int) -> memoryview:
-    """Writable memory of ``size`` bytes for a file read whole (an object's body streams
-    into it), its pages already in place.
-
-    ``bytearray(size)`` zero-fills its memory with the GIL held, page-faulting every page
-    in: 45-100 ms for 60 MB on a 2-core test machine, during which the load's other reader
-    threads could not start and the S3 client's event loop could not receive (a resharded
-    load's four files began over ~100 ms, one after another; ``mmap`` with
-    ``MAP_POPULATE`` holds the GIL too).  torch fills its tensor with the GIL released and
-    on all intra-op threads: ~20 ms.  The memory lives as long as a view of it does.
-    """
-    return memoryview(torch.zeros(size, dtype=torch.uint8).numpy())
-
-
-def load_verified(state: dict[str, Any], reader: VerifyingStorageReader) -> None:
-    """``dcp.load`` into ``state``, this rank on its own; an IntegrityError is raised as itself.
-
-    No collective runs: DCP's default load planner coordinates nothing (its global plan is
-    the ranks' own plans, unchanged), and every rank reads and verifies ``.metadata``
-    itself.  Gathering and scattering the pickled plans (one item per tensor) cost DCP
-    0.1-0.25 s per load at 788 items a rank, and a rank that failed left its peers
-    waiting in the exchange; the manager gathers every rank's answer instead.  DCP wraps
-    a failure in a CheckpointException; unwrapping lets callers (and ``"auto"`` resume)
-    tell corruption from other failures.  The plan is DCP's default one, worked out once
-    per distinct tensor layout (:class:`~raycheckpoint.dcp_load.LayoutCachingLoadPlanner`).
-    """
-    try:
-        reader.read_metadata()  # verified here, where DCP cannot turn its error into another
-        # no_grad: DTensor.to_local() in DCP's planning is then an attribute read; the
-        # reader's threads set it for themselves. no_dist is meant: not "distributed is disabled"
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader, planner=LayoutCachingLoadPlanner(),
-                     no_dist=True)
-    except CheckpointException as e:
-        for wrapped in e.failures.values():
-            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-            if isinstance(inner, IntegrityError):
-                raise inner from e
-        raise
-    finally:
-        reader.stop_prefetch()  # every byte is read, or the load failed

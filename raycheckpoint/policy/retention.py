@@ -1,25 +1,62 @@
 """Retention: which committed checkpoints to keep, as small composable policies.
 
-A policy looks at the catalog entries (dicts of :class:`~raycheckpoint.format.Marker`
-fields) and returns the names it keeps.  A checkpoint is deleted only when
+:class:`RetentionRules` is the one definition of the retention options (``keep_last_n``,
+``keep_last_n_light``, ``keep_best_n``, ``best_metric``, ``best_mode``):
+:class:`~raycheckpoint.config.CheckpointConfig` has them as its own fields,
+:class:`RetentionPolicy` applies them, and every checkpoint records them in its trainer
+state, so ``raycheckpoint gc`` applies the job's own rules.
+
+A policy looks at the catalog entries (dicts of
+:class:`~raycheckpoint.protocol.format.Marker` fields) and returns the names it keeps.
+A checkpoint is deleted only when
 
 * it is governed (its kind has a ``keep_last_n`` limit), and
 * no policy keeps it, and
 * it is not protected: ``LATEST`` points at it, a tag points at it, or a save for it
   is in flight.
 
-The newest committed full checkpoint is always kept.  The coordinator writes the
-catalog without the doomed entries *before* deleting anything (see coordinator.py).
+The newest committed full checkpoint is always kept.  Collection writes the catalog
+without the doomed entries *before* deleting anything
+(:mod:`raycheckpoint.protocol.collect`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 Entry = dict[str, Any]
+BestMode = Literal["max", "min"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionRules:
+    """The retention options, validated: which committed checkpoints a job keeps."""
+
+    keep_last_n: int | None = None  # full checkpoints
+    keep_last_n_light: int | None = None
+    keep_best_n: int | None = None
+    best_metric: str = "reward"
+    best_mode: BestMode = "max"
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last_n", "keep_last_n_light", "keep_best_n"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.best_mode not in ("max", "min"):
+            raise ValueError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The names of the retention options."""
+        return tuple(f.name for f in fields(RetentionRules))
+
+    def retention_rules(self) -> dict[str, Any]:
+        """These options as a plain dict (what a checkpoint records)."""
+        return {name: getattr(self, name) for name in RetentionRules.option_names()}
 
 
 def _newest_first(entries: Iterable[Entry]) -> list[Entry]:
@@ -65,18 +102,13 @@ class NewestFull:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RetentionPolicy:
-    keep_last_n: int | None = None
-    keep_last_n_light: int | None = None
-    keep_best_n: int | None = None
-    best_metric: str = "reward"
-    best_mode: str = "max"
+class RetentionPolicy(RetentionRules):
+    """The retention rules, applied to a root's catalog entries."""
 
     @classmethod
-    def from_config(cls, config: Any) -> RetentionPolicy:
-        return cls(keep_last_n=config.keep_last_n, keep_last_n_light=config.keep_last_n_light,
-                   keep_best_n=config.keep_best_n, best_metric=config.best_metric,
-                   best_mode=config.best_mode)
+    def from_config(cls, config: RetentionRules) -> RetentionPolicy:
+        """The policy of a config (anything with the retention options)."""
+        return cls(**config.retention_rules())
 
     def _policies(self) -> list[Any]:
         policies: list[Any] = [NewestFull()]

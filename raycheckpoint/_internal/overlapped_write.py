@@ -1,13 +1,14 @@
-"""Writing a data file staged whole while the host copy fills it.
+"""Writing a data file staged whole while the host copy fills it (an overlapped write).
 
 After a plan's first save, a rank's large data file is staged as one page-aligned block
-laid out as the file (:meth:`raycheckpoint.dcp_save.ReusingSavePlanner.adopt_image`).
+laid out as the file (:meth:`~raycheckpoint._internal.dcp.shard_plan.ShardPlan.adopt_image`).
 At the next snapshot the copy fills that block front to back, tensor by tensor, and a
 thread of the saver writes each chunk of the file once the copy has filled it
-(:class:`WriteAhead`), so the file's write overlaps the copy instead of following it.
-The persist's storage writer then takes the written file in place of writing it
-(:meth:`WriteAhead.take`); a file it does not take (the plan changed, the save failed)
-is removed when the persist ends (:meth:`WriteAhead.end`).
+(:class:`OverlappedWrite`), so the file's write overlaps the copy instead of following
+it.  The persist's storage writer then takes the written file in place of writing it
+(:meth:`OverlappedWrite.take`); a file it does not take (the plan changed, the save
+failed) is removed when the persist ends (:meth:`OverlappedWrite.end`).  The config
+option that turns it on and off is ``checkpoint.write_ahead``.
 
 Only the bytes are written early: what the file is for (DCP's agreement, ``.metadata``,
 the report and the commit) is unchanged, and a file whose early write failed is written
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from raycheckpoint._internal.staging import copy_tensors
-from raycheckpoint.direct_io import address
+from raycheckpoint.storage.direct_io import address
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class CopyOrder:
                 CopyProgress(self.first, self.points))
 
 
-class WriteAhead:
+class OverlappedWrite:
     """The data files one snapshot writes while its host copy fills them.
 
     ``files``: (file name, block view) of the files staged whole; ``dcp_dir``: called in

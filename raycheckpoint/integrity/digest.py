@@ -11,7 +11,7 @@ and on one core sha256 was its slowest step (1.3 GB/s beside the tensor copies, 
 a warm 500 MB load took 453 ms with sha256, 291 ms with BLAKE3 and 117 ms without a
 check).  Both release the GIL.
 
-Kept free of torch and Ray, like :mod:`raycheckpoint.integrity`.
+Kept free of torch and Ray, like :mod:`raycheckpoint.integrity.verify`.
 """
 
 from __future__ import annotations

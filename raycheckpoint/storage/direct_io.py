@@ -1,6 +1,6 @@
 """Writing a new local file with ``O_DIRECT``: its bytes go to the device without the
-page cache (used by :class:`raycheckpoint.storage.HashingWriter` for the shards' data
-files; see :mod:`raycheckpoint.storage`)."""
+page cache (the sink :class:`~raycheckpoint.storage.posix.LocalStorage` gives a
+:class:`~raycheckpoint.storage.writer.HashingWriter` for the shards' data files)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class DirectFile:
     pages (nothing waiting in a buffer) is written straight from its own memory, its
     whole pages in :data:`DIRECT_CHUNK` writes, with no copy; only its last partial page
     goes through a buffer.  A saver that stages a data file's exact bytes in one
-    page-aligned block (:meth:`raycheckpoint.dcp_save.ReusingSavePlanner.adopt_image`)
+    page-aligned block (:meth:`raycheckpoint._internal.dcp.shard_plan.ShardPlan.adopt_image`)
     has the whole file written that way.  ``write`` returns once such writes are over.
 
     ``hasher`` (``update(buffer)``), where given, is fed each buffer once it is full, in

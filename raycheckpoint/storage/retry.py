@@ -1,4 +1,5 @@
-"""Which storage errors are worth retrying (used by :meth:`Storage.retrying`)."""
+"""Which storage errors are worth retrying (used by
+:meth:`Storage.retrying <raycheckpoint.storage.base.Storage.retrying>`)."""
 
 from __future__ import annotations
 

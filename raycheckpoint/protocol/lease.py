@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from raycheckpoint.errors import LeaseHeldError, LeaseLostError
-from raycheckpoint.format import LEASE
+from raycheckpoint.protocol.paths import LEASE
 from raycheckpoint.storage import Storage
 
 

@@ -1,0 +1,183 @@
+"""The load side of a job: resolve, verify and load a checkpoint into the worker groups.
+
+:class:`CheckpointLoader` is what :meth:`CheckpointManager.load_checkpoint
+<raycheckpoint.manager.CheckpointManager.load_checkpoint>` and ``load_model_weights``
+run, in the driver:
+
+1. resolve the reference (:mod:`~raycheckpoint.protocol.refs`; ``"auto"``: every
+   committed full checkpoint, newest first, skipping those that fail verification);
+2. open it verified (:func:`~raycheckpoint.protocol.checkpoint.open_verified`) and check
+   the key of an encrypted one;
+3. refuse a light checkpoint, a changed config (:mod:`~raycheckpoint.resume`) or a
+   missing role under ``strict=True``; list what it skips otherwise;
+4. have every worker load its rank's part (``ckpt_load``: resharding when the world size
+   changed, every byte verified as it is read);
+5. restore the driver's RNG and data loader.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from raycheckpoint._internal.rpc import get as _get
+from raycheckpoint.config import CheckpointConfig
+from raycheckpoint.errors import (
+    CheckpointNotFoundError,
+    ConfigMismatchError,
+    IntegrityError,
+    LightCheckpointError,
+)
+from raycheckpoint.integrity.crypto import check_key
+from raycheckpoint.protocol import catalog
+from raycheckpoint.protocol.checkpoint import VerifiedCheckpoint, open_verified
+from raycheckpoint.protocol.paths import rng_file
+from raycheckpoint.protocol.refs import locate, resolve
+from raycheckpoint.resume import format_differences, resume_differences
+from raycheckpoint.state import restore_rng
+from raycheckpoint.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadResult:
+    name: str
+    step: int
+    kind: str
+    epoch: int | None
+    metrics: dict[str, Any]
+    trainer_state: dict[str, Any] = field(repr=False)
+    skipped: list[str] = field(default_factory=list)
+    resharded: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+class CheckpointLoader:
+    """Loads checkpoints of ``storage``'s root into ``groups`` (role -> workers by rank).
+
+    ``workers_loaded()`` is called once every worker has loaded (the manager hashes its
+    frozen roles' weights anew then); ``dataloader`` is restored from a full checkpoint.
+    """
+
+    def __init__(self, storage: Storage, config: CheckpointConfig, groups: dict[str, list[Any]],
+                 *, cipher: Any, fingerprint: dict[str, Any], dataloader: Any,
+                 workers_loaded: Callable[[], None]) -> None:
+        self.storage = storage
+        self.config = config
+        self.groups = groups
+        self.cipher = cipher
+        self.fingerprint = fingerprint
+        self.dataloader = dataloader
+        self.workers_loaded = workers_loaded
+
+    @property
+    def world_sizes(self) -> dict[str, int]:
+        return {role: len(ws) for role, ws in self.groups.items()}
+
+    def load(self, ref: str | int = "auto", strict: bool = True) -> LoadResult | None:
+        """Resume from ``ref``; None when ``ref == "auto"`` and the root holds nothing."""
+        storage, ref = locate(self.storage, ref, self.config.storage_options)
+        names = resolve(storage, ref)
+        failures = []
+        if ref == "auto":
+            for bad, error in sorted(catalog.scan_all(storage)[2].items()):
+                warnings.warn(f"checkpoint {bad} is skipped: {error}", RuntimeWarning, stacklevel=3)
+                failures.append(f"{bad}: {error}")
+        if not names and not failures:
+            return None  # only "auto" resolves to nothing: a fresh root
+        for name in names:
+            try:
+                return self._load(storage, name, strict=strict, weights_only=False)
+            except IntegrityError as e:
+                if ref != "auto":
+                    raise
+                warnings.warn(f"checkpoint {name} failed verification, trying an older one: {e}",
+                              RuntimeWarning, stacklevel=3)
+                failures.append(f"{name}: {e}")
+        raise CheckpointNotFoundError("no committed full checkpoint verifies: "
+                                      + "; ".join(failures), ref=str(ref))
+
+    def load_weights(self, ref: str | int = "latest") -> LoadResult:
+        """Load only model weights from a light or full checkpoint into every worker."""
+        storage, ref = locate(self.storage, ref, self.config.storage_options)
+        if ref == "auto":
+            ref = "latest"
+        return self._load(storage, resolve(storage, ref)[0], strict=False, weights_only=True)
+
+    def _load(self, storage: Storage, name: str, *, strict: bool, weights_only: bool) -> LoadResult:
+        ck = open_verified(storage, name)
+        check_key(ck.manifest.encryption, self.cipher, name)
+        if not weights_only and ck.kind == "light":
+            if strict:
+                raise LightCheckpointError(
+                    f"{name} is a light checkpoint: it holds model weights only, no optimizer, "
+                    "data-loader or RNG state, so it cannot resume training with strict=True. "
+                    "Use load_model_weights() to load its weights.", name=name)
+            weights_only = True
+        skipped: list[str] = []
+        diffs = resume_differences(ck, self.fingerprint, self.world_sizes,
+                                   allow_reshard=self.config.allow_reshard)
+        if diffs and not weights_only:
+            if strict:
+                raise ConfigMismatchError(format_differences(name, diffs), differences=diffs)
+            skipped.append("config differences ignored: "
+                           + "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs))
+        missing_roles = sorted(set(self.groups) - set(ck.manifest.roles))
+        if missing_roles:
+            msg = f"{name} holds no state for role(s) {missing_roles} (it has {sorted(ck.manifest.roles)})"
+            if strict:
+                raise IntegrityError(msg, path=name)
+            skipped.append(msg)
+        extra_roles = sorted(set(ck.manifest.roles) - set(self.groups))
+        if extra_roles:
+            skipped.append(f"roles in the checkpoint with no worker group here: {extra_roles}")
+        resharded = self._load_workers(ck, weights_only=weights_only, skipped=skipped)
+        self.workers_loaded()
+        ts = ck.trainer_state
+        if not weights_only:
+            skipped += [f"driver rng: {s}" for s in restore_rng(ts["rng"])]
+            if self.dataloader is not None:
+                if "dataloader" in ts:
+                    self.dataloader.load_state_dict(ts["dataloader"])
+                elif strict:
+                    raise IntegrityError(f"{name} has no data-loader state but this job has a "
+                                         "data loader", path=name)
+                else:
+                    skipped.append("data loader: no saved state")
+        for s in skipped:
+            logger.info("load %s: %s", name, s)
+        return LoadResult(name=name, step=ck.step, kind=ck.kind, epoch=ts.get("epoch"),
+                          metrics=ts.get("metrics") or {}, trainer_state=ts, skipped=skipped,
+                          resharded=resharded)
+
+    def _load_workers(self, ck: VerifiedCheckpoint, *, weights_only: bool,
+                      skipped: list[str]) -> dict[str, tuple[int, int]]:
+        calls, resharded = [], {}
+        for role, workers in self.groups.items():
+            layout = ck.manifest.roles.get(role)
+            if layout is None:
+                continue
+            if layout.world_size != len(workers):
+                resharded[role] = (layout.world_size, len(workers))
+            prefix = layout.dcp_dir + "/"
+            files = {p: e.to_dict() for p, e in ck.manifest.files.items() if p.startswith(prefix)}
+            for rank, w in enumerate(workers):
+                src_rank = rank if rank < layout.world_size else 0
+                suffix = "/" + rng_file(role, src_rank)
+                rng = next((f for f in layout.files if f.endswith(suffix)), None)
+                if rng is not None:
+                    files_r = {**files, rng: ck.manifest.files[rng].to_dict()}
+                else:
+                    files_r, rng = files, None
+                calls.append(w.ckpt_load.remote({
+                    "dcp_dir": layout.dcp_dir, "files": files_r,
+                    "checksums": self.config.enable_checksum,
+                    "kind": "light" if weights_only else "full",
+                    "saved_world_size": layout.world_size, "rng_file": rng,
+                    "wait_timeout_s": self.config.save_wait_timeout_s}))
+        for r in _get(calls, self.config.rpc_timeout_s):
+            skipped.extend(r["skipped"])
+        return resharded

@@ -1,0 +1,137 @@
+"""Collection: recovery, garbage collection and retention over one root.
+
+One :class:`Collector` serves the coordinator (recovery when it starts, the clean-up
+after each commit) and ``raycheckpoint gc`` alike.  The rules (DESIGN sections 4 and 5):
+
+* truth is the set of step directories holding ``COMMITTED``: ``LATEST`` and
+  ``catalog.json`` are rewritten when they disagree with it;
+* a step directory without a marker is garbage once no save is in flight for it (and,
+  for ``gc`` beside a job it does not know, once nothing was written there for a grace
+  period);
+* retention never deletes what ``LATEST`` or a tag points to, nor a save in flight, and
+  writes the catalog without the doomed checkpoints *before* deleting them, so a crash
+  in between leaves committed-but-uncatalogued directories that the next run re-adds
+  and deletes again: collection is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from raycheckpoint._internal import faults
+from raycheckpoint.policy.retention import RetentionPolicy
+from raycheckpoint.protocol import catalog
+from raycheckpoint.protocol.format import Marker
+from raycheckpoint.protocol.root import RootState
+
+logger = logging.getLogger(__name__)
+
+
+class Collector:
+    """Recovery, leftovers and retention over ``root``; ``in_flight()`` names the step
+    directories of saves still running (never touched).  The caller serialises calls."""
+
+    def __init__(self, root: RootState, policy: RetentionPolicy,
+                 in_flight: Callable[[], set[str]] = set) -> None:
+        self.root = root
+        self.policy = policy
+        self.in_flight = in_flight
+
+    def recover(self, *, dry_run: bool = False, grace_s: float = 0.0) -> dict[str, Any]:
+        """Make the caches agree with the markers; collect leftovers; apply retention.
+
+        ``dry_run``: report what would change, change nothing.  ``grace_s``: keep
+        uncommitted directories written to more recently than this (a save of a job this
+        process does not know may still be writing them).
+        """
+        root = self.root
+        uncommitted = root.sync()
+        markers, tags = root.sorted_markers(), dict(root.tags)
+        report: dict[str, Any] = {"committed": [m.name for m in markers],
+                                  "rebuilt_catalog": False, "fixed_latest": False}
+        want_latest = catalog.expected_latest(markers)
+        if catalog.read_latest(root.storage) != want_latest and want_latest is not None:
+            if not dry_run:
+                root.write_latest(want_latest)
+            report["fixed_latest"] = True
+        if catalog.read_catalog(root.storage) != catalog.catalog_doc(markers, tags):
+            if not dry_run:
+                catalog.write_catalog(root.storage, markers, tags)
+            report["rebuilt_catalog"] = True
+        if not dry_run:  # what collecting deletes leaves the set
+            root.unmarked = set(uncommitted) | self.in_flight()
+        report["collected"], report["kept_recent"] = self.collect_leftovers(
+            uncommitted, dry_run=dry_run, grace_s=grace_s)
+        report["deleted"] = self.apply_retention(markers, tags, dry_run=dry_run)
+        return report
+
+    def clean_up_after(self, name: str) -> dict[str, Any]:
+        """Retention, then the leftovers of aborted saves, after ``name`` committed.
+
+        A failure here leaves the committed save as it is: what was not deleted is
+        deleted by the next clean-up (the next commit, a restart, ``raycheckpoint gc``).
+        """
+        root = self.root
+        t0 = time.perf_counter()
+        report: dict[str, Any] = {"name": name, "deleted": [], "collected": [], "error": None}
+        try:
+            report["deleted"] = self.apply_retention(root.sorted_markers(), dict(root.tags),
+                                                     protect=(name,))
+            uncommitted = [n for n in catalog.step_dirs(root.storage) if n not in root.markers]
+            root.unmarked = set(uncommitted) | self.in_flight()
+            report["collected"], _ = self.collect_leftovers(uncommitted)
+        except Exception as e:  # logged, and reported by wait_cleanup()
+            logger.exception("clean-up after %s failed; the next one retries it", name)
+            report["error"] = f"{type(e).__name__}: {e}"
+        report["cleanup_s"] = time.perf_counter() - t0
+        return report
+
+    def collect_leftovers(self, uncommitted: list[str], *, dry_run: bool = False,
+                          grace_s: float = 0.0) -> tuple[list[str], list[str]]:
+        """(collected, kept because written to within ``grace_s``) uncommitted step dirs."""
+        root = self.root
+        busy = self.in_flight()
+        referenced = root.referenced(root.markers)
+        collected, recent = [], []
+        now = time.time()
+        for name in uncommitted:
+            if name in busy:
+                continue
+            if grace_s > 0:
+                modified = root.storage.modified(name)
+                if modified is not None and now - modified < grace_s:
+                    recent.append(name)
+                    continue
+            if not dry_run:
+                root.check_lease()
+                root.delete_step(name, referenced)
+            collected.append(name)
+        return collected, recent
+
+    def apply_retention(self, markers: list[Marker], tags: dict[str, str], *,
+                        dry_run: bool = False, protect: tuple[str, ...] = ()) -> list[str]:
+        """Delete what the policy does not keep (oldest first); returns the names."""
+        root = self.root
+        entries = [m.to_catalog_entry() for m in markers]
+        protected = set(tags.values()) | self.in_flight() | set(protect)
+        latest = catalog.read_latest(root.storage)
+        if latest:
+            protected.add(latest)
+        doomed = self.policy.to_delete(entries, protected=protected)
+        if not doomed or dry_run:
+            return doomed
+        root.check_lease()
+        kept = [m for m in markers if m.name not in doomed]
+        for name in doomed:
+            root.markers.pop(name, None)
+        # catalog first: a crash after this leaves committed-but-uncatalogued dirs, which
+        # recovery re-adds and retention deletes again (collection is idempotent)
+        catalog.write_catalog(root.storage, kept, tags)
+        referenced = root.referenced(m.name for m in kept)
+        for name in doomed:
+            faults.check("coordinator.retention_delete", path=name)
+            root.delete_step(name, referenced)
+        return doomed

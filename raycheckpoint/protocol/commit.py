@@ -1,0 +1,111 @@
+"""The commit sequence (DESIGN section 2.4), as one function, and the record of a save.
+
+Once every expected (role, rank) has reported its files, :func:`commit` writes, in this
+order: ``trainer_state.json``, ``version.json``, ``manifest.msgpack``, ``COMMITTED``,
+``LATEST`` (full only) and the ``latest`` link, the tag pointer, ``catalog.json``.
+``COMMITTED`` present means complete: a failure before it leaves no marker and
+``LATEST`` unchanged, and the partial files are collected later.  The lease is checked
+just before the marker.  Named fault points (``coordinator.*``) sit between the steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from raycheckpoint._internal import faults
+from raycheckpoint.protocol import catalog
+from raycheckpoint.protocol.format import Manifest, Marker, RoleLayout, json_bytes, version_info
+from raycheckpoint.protocol.paths import CheckpointPaths
+from raycheckpoint.protocol.root import RootState
+from raycheckpoint.storage import FileEntry
+
+
+@dataclass
+class SaveRecord:
+    """One save the coordinator tracks, from ``begin`` to its clean-up."""
+
+    save_id: str
+    name: str
+    step: int
+    kind: str
+    tag: str | None
+    metrics: dict[str, float]
+    trainer_state: dict[str, Any]
+    world_sizes: dict[str, int]
+    expected: set[tuple[str, int]]
+    deadline: float
+    frozen: dict[str, str] = field(default_factory=dict)  # role -> identity
+    reused: dict[str, str] = field(default_factory=dict)  # role -> checkpoint holding its bytes
+    started: float = field(default_factory=time.time)
+    reports: dict[tuple[str, int], list[FileEntry]] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    persist_s: dict[str, float] = field(default_factory=dict)
+    status: str = "pending"  # pending | committed | aborted
+    result: dict[str, Any] | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    cleanup: dict[str, Any] | None = None  # what the clean-up after the commit did
+    cleaned: threading.Event = field(default_factory=threading.Event)  # set after done, always
+
+
+def commit(root: RootState, save: SaveRecord) -> dict[str, Any]:
+    """Commit ``save``, every report in: see the module doc.  Returns the save's result."""
+    s, name = root.storage, save.name
+    paths = CheckpointPaths(name)
+    files: dict[str, FileEntry] = {}
+    roles: dict[str, RoleLayout] = {}
+    for (role, rank), entries in sorted(save.reports.items()):
+        layout = roles.setdefault(role, RoleLayout(world_size=save.world_sizes[role],
+                                                   dcp_dir=paths.role_dir(role),
+                                                   identity=save.frozen.get(role)))
+        layout.ranks[rank] = [e.path for e in entries]
+        for e in entries:
+            files[e.path] = e
+    for role, source in sorted(save.reused.items()):
+        src = root.manifest(source)
+        if src is None:
+            raise RuntimeError(f"cannot reuse {role} from {source}: its manifest is unreadable")
+        roles[role] = src.roles[role]
+        for path in src.roles[role].files:
+            files[path] = src.files[path]
+    trainer_state = {**save.trainer_state, "global_step": save.step, "kind": save.kind,
+                     "tag": save.tag, "metrics": save.metrics, "name": name}
+    faults.check("coordinator.trainer_state", path=name)
+    entry = s.write_bytes(paths.trainer_state, json_bytes(trainer_state))
+    files[entry.path] = entry
+    # version.json is hashed with sha256 whatever the job's algorithm, so every release
+    # can verify it and then say whether it reads the rest (format.version_info)
+    entry = s.write_bytes(paths.version, json_bytes(version_info(files.values())),
+                          checksum="sha256")
+    files[entry.path] = entry
+    manifest = Manifest(name=name, step=save.step, kind=save.kind, files=files, roles=roles,
+                        encryption=root.encryption())
+    faults.check("coordinator.manifest", path=name)
+    manifest_bytes = manifest.to_bytes()
+    m_entry = s.write_bytes(paths.manifest, manifest_bytes)
+    marker = Marker(name=name, step=save.step, kind=save.kind, manifest_size=m_entry.size,
+                    manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest(),
+                    bytes=manifest.total_bytes + m_entry.size, metrics=save.metrics,
+                    tag=save.tag)
+    faults.check("coordinator.before_marker", path=name)
+    root.check_lease()
+    s.create_marker(paths.committed, marker.to_bytes())
+    root.committed(marker, manifest)
+    faults.check("coordinator.after_marker", path=name)
+    markers = root.sorted_markers()
+    if save.kind == "full" and catalog.expected_latest(markers) == name:
+        root.write_latest(name)
+    root.reload_tags()
+    if save.tag is not None:
+        root.write_tag(save.tag, name)
+    faults.check("coordinator.catalog", path=name)
+    root.write_catalog(markers)
+    committed_at = time.time()
+    return {"name": name, "step": save.step, "kind": save.kind, "tag": save.tag,
+            "bytes": marker.bytes, "files": len(files),
+            "persist_s": max(save.persist_s.values(), default=0.0),
+            "total_s": committed_at - save.started}

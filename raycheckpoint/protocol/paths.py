@@ -1,0 +1,121 @@
+"""Every name and path of a job's root: nothing else spells them.
+
+Layout of one job root (DESIGN section 3), paths relative to the root as
+:class:`~raycheckpoint.storage.Storage` takes them::
+
+    LEASE  LATEST  latest  catalog.json  tags/<tag>
+    step_00001000/ COMMITTED version.json manifest.msgpack trainer_state.json
+                   rng/<role>/rank_<r>.msgpack  <role>/  (DCP directory per role)
+                   assets/<role>/<file>  (e.g. a Hugging Face config.json and tokenizer
+                                          files, written by rank 0 for export)
+
+The root-level names are constants; a checkpoint's paths come from one
+:class:`CheckpointPaths` (step directory name, role, rank -> path).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+LEASE = "LEASE"
+LATEST = "LATEST"
+LATEST_LINK = "latest"
+CATALOG = "catalog.json"
+TAGS_DIR = "tags"
+COMMITTED = "COMMITTED"
+VERSION = "version.json"
+MANIFEST = "manifest.msgpack"
+TRAINER_STATE = "trainer_state.json"
+RNG_DIR = "rng"
+ASSETS_DIR = "assets"
+DCP_METADATA = ".metadata"  # torch DCP's own metadata file in a role's directory
+
+_STEP_DIR = re.compile(r"^step_(\d{8,})(_full)?$")
+_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+
+
+def step_dir_name(step: int, *, upgraded: bool = False) -> str:
+    """``step_00001000``; ``step_00001000_full`` when a light one already holds that step."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step_{step:08d}" + ("_full" if upgraded else "")
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def validate_tag(tag: str) -> str:
+    if not _TAG.match(tag) or parse_step_dir(tag) is not None or tag in ("latest", "auto"):
+        raise ValueError(
+            f"invalid tag {tag!r}: use 1-128 characters of letters, digits, '.', '_', '+', '-', "
+            "starting with a letter or digit, and not 'latest', 'auto' or a step directory name")
+    return tag
+
+
+def tag_path(tag: str) -> str:
+    """The pointer file of ``tag``."""
+    return f"{TAGS_DIR}/{tag}"
+
+
+def rng_file(role: str, rank: int) -> str:
+    """A rank's extra-state file (RNG, scheduler), relative to its step directory."""
+    return f"{RNG_DIR}/{role}/rank_{rank:05d}.msgpack"
+
+
+def asset_file(role: str, name: str) -> str:
+    """A role's asset file, relative to its step directory."""
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"asset names are plain file names, got {name!r}")
+    return f"{ASSETS_DIR}/{role}/{name}"
+
+
+@dataclass(frozen=True)
+class CheckpointPaths:
+    """The paths of the checkpoint in step directory ``name``, relative to the root."""
+
+    name: str
+
+    @classmethod
+    def of_step(cls, step: int, *, upgraded: bool = False) -> CheckpointPaths:
+        return cls(step_dir_name(step, upgraded=upgraded))
+
+    @property
+    def committed(self) -> str:
+        return f"{self.name}/{COMMITTED}"
+
+    @property
+    def manifest(self) -> str:
+        return f"{self.name}/{MANIFEST}"
+
+    @property
+    def version(self) -> str:
+        return f"{self.name}/{VERSION}"
+
+    @property
+    def trainer_state(self) -> str:
+        return f"{self.name}/{TRAINER_STATE}"
+
+    def role_dir(self, role: str) -> str:
+        """The role's DCP directory."""
+        return f"{self.name}/{role}"
+
+    def rng(self, role: str, rank: int) -> str:
+        return f"{self.name}/{rng_file(role, rank)}"
+
+    def asset(self, role: str, file_name: str) -> str:
+        return f"{self.name}/{asset_file(role, file_name)}"
+
+    def assets_prefix(self, role: str) -> str:
+        return f"{self.name}/{ASSETS_DIR}/{role}/"
+
+    def holds(self, path: str) -> bool:
+        """Whether ``path`` lies in this step directory (not in another one it references)."""
+        return path.startswith(self.name + "/")
+
+
+def dcp_metadata(dcp_dir: str) -> str:
+    """DCP's ``.metadata`` in the DCP directory ``dcp_dir``."""
+    return f"{dcp_dir}/{DCP_METADATA}"

@@ -1,0 +1,76 @@
+"""S3Storage: a root in an S3 bucket (``s3://bucket/prefix``), through s3fs.
+
+No renames (S3's rename is a copy and a delete): a pointer (``LATEST``, the catalog, a
+tag) is replaced by one PUT, which S3 makes visible whole; an exclusive create
+(``COMMITTED``, the lease) is one conditional PUT (``If-None-Match: *``), which the
+store refuses with 412 when the key exists.  A file's whole body is streamed into the
+caller's buffer (:meth:`S3Storage.read_into`), a retry asking for the bytes not received.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+from fsspec.asyn import sync
+
+from raycheckpoint.storage import base
+from raycheckpoint.storage.base import Received, Storage
+from raycheckpoint.storage.spec import Capabilities
+
+
+class S3Storage(Storage):
+    """A root on S3 (or a store speaking its API)."""
+
+    capabilities = Capabilities(atomic_create=True)
+
+    def _create_once(self, full: str, data: bytes) -> None:
+        try:
+            self.fs.pipe_file(full, data, mode="create")
+        except FileExistsError:
+            raise
+        except OSError as e:
+            if "PreconditionFailed" in repr(e) or "412" in repr(e):
+                raise FileExistsError(full) from e
+            raise
+
+    def _read_into_once(self, rel: str, out: memoryview, progress: Received) -> int:
+        """A GET whose body streams into ``out``: for a 60 MB object against a local S3
+        server 90 ms, where ``cat_file`` (which gathers the body into one ``bytes``) took
+        370 ms and ``open().readinto`` in 8 MB pieces 250 ms."""
+        return sync(self.fs.loop, _read_into, self.fs, self.full_path(rel), out, progress)
+
+
+async def _read_into(fs: Any, full: str, out: memoryview, progress: Received) -> int:
+    """A GET of ``full`` (s3fs), its body streamed into ``out``; see
+    :meth:`Storage.read_into <raycheckpoint.storage.base.Storage.read_into>`.
+
+    Through s3fs's ``_call_s3``, which maps S3's answers to OSErrors (a missing key to
+    FileNotFoundError) and retries what s3fs retries.  A body cut short raises here;
+    :meth:`Storage.retrying` calls again, and the GET asks for the bytes not received.
+    """
+    bucket, key, version = fs.split_path(full)
+    pos = progress.received
+    if pos and pos == len(out):
+        return pos
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key,
+                             **({"VersionId": version} if version else {}),
+                             **({"Range": f"bytes={pos}-"} if pos else {}))
+    body = resp["Body"]
+    try:
+        if pos and "ContentRange" not in resp:  # a server that ignores ranges sent it all
+            pos = 0
+        # a ranged answer: "bytes 100-199/200"; a whole one: its length
+        size = int(resp["ContentRange"].rpartition("/")[2]) if pos else int(resp["ContentLength"])
+        if size != len(out):
+            return size
+        while pos < size:
+            piece = await body.read(min(base.READ_STEP, size - pos))
+            if not piece:
+                raise OSError(errno.EIO, f"{full}: the response ended after {pos} of {size} bytes")
+            out[pos:pos + len(piece)] = piece
+            pos += len(piece)
+            progress.received = pos
+        return size
+    finally:
+        body.close()
