@@ -26,8 +26,8 @@ import time
 import ray
 
 import raycheckpoint
+from bench._harness import TIMEOUT_S, BenchStorage, Where, _group, _kill, _manager, parse_bytes
 from bench._ranks import model_dims
-from bench.save_latency import TIMEOUT_S, BenchStorage, Where, _group, _kill, _manager, parse_bytes
 from drivers._ray import init_ray
 
 

@@ -68,7 +68,7 @@ def test_save_latency_bench_runs_every_method_and_writes_results(ray_session, tm
 
 
 def test_virtual_ranks_commit_through_the_real_coordinator(ray_session, tmp_path, capsys):
-    from bench.save_latency import BenchStorage
+    from bench._harness import BenchStorage
     from bench.virtual_ranks import run_virtual, virtual_table
 
     storage = BenchStorage(str(tmp_path), {})
@@ -237,7 +237,7 @@ def test_the_bench_s3_server_runs_below_the_ranks_and_serves():
     pytest.importorskip("moto")
     import fsspec
 
-    from bench.save_latency import MotoProcess
+    from bench._harness import MotoProcess
 
     server = MotoProcess()
     try:
