@@ -11,7 +11,6 @@ files through the global metadata).
 from __future__ import annotations
 
 import os
-import pickle
 from datetime import timedelta
 
 import pytest
@@ -26,70 +25,18 @@ from raycheckpoint._internal.dcp.save import save_state
 from raycheckpoint._internal.dcp.shard_plan import ShardPlan
 from raycheckpoint._internal.dcp.writer import HashingStorageWriter
 from raycheckpoint.errors import InjectedFault
-from raycheckpoint.integrity import digest
 from raycheckpoint.storage import Storage
+from tests.dcp_ranks import (
+    LONGER,
+    check_saves_load_exactly,
+    counting,
+    dcp_files,
+    model_and_state,
+    save_whole_model,
+    train_step,
+)
 
 pytestmark = pytest.mark.timeout(180)
-# a non-tensor value whose record outgrows the 64-byte alignment torch.save pads records to
-LONGER = "a much longer value " * 20
-
-
-def _files(root: str, d: str) -> dict[str, object]:
-    """A DCP directory's data files (bytes) and its metadata (unpickled: equal metadata
-    may pickle to other bytes, as pickle shares the objects it meets twice)."""
-    out: dict[str, object] = {}
-    for name in sorted(os.listdir(os.path.join(root, d))):
-        with open(os.path.join(root, d, name), "rb") as f:
-            out[name] = pickle.loads(f.read()) if name == ".metadata" else f.read()
-    return out
-
-
-def _model_and_state(world: int, out: int = 8):
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from raycheckpoint.worker import optimizer_state_dict
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, out))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in net:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(net, mesh=mesh)
-    optim = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    net(torch.randn(4, 16)).sum().backward()
-    optim.step()
-
-    def state(note: str = "x"):
-        return {"model": get_model_state_dict(net), "optim": optimizer_state_dict(net, optim),
-                "note": note}
-
-    return net, optim, state
-
-
-def _train_step(net, optim) -> None:
-    net(torch.randn(4, 16)).sum().backward()
-    optim.step()
-
-
-def _save_whole_model(net, rank: int, path: str) -> None:
-    """The whole model (all ranks gather it), saved by rank 0 to compare loads with."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    whole = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
-    if rank == 0:
-        torch.save(whole, path)
-
-
-def _counting(real, calls: list[int]):
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    return counted
 
 
 def _check_staging(root: str, state) -> None:
@@ -129,11 +76,11 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
     try:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
         storage = Storage(root)
-        net, optim, state = _model_and_state(world)
+        net, optim, state = model_and_state(world)
         plan = ShardPlan()
         full_protocol: list[int] = []  # dcp.save calls made by save_state
         torch_save = dcp.save
-        dcp.save = _counting(torch_save, full_protocol)
+        dcp.save = counting(torch_save, full_protocol)
 
         def ours(d: str, note: str = "x") -> None:
             save_state(state(note), HashingStorageWriter(storage, d, plan), plan, group)
@@ -206,11 +153,11 @@ def test_agreed_plans_write_what_dcp_save_writes(tmp_path, world):
     root = str(tmp_path)
     mp.spawn(_rank_main, args=(world, free_port(), root), nprocs=world, join=True)
     for ours, theirs in (("s2", "t2"), ("s3", "t3"), ("s4", "t4"), ("s5", "t4"), ("s7", "t7")):
-        a, b = _files(root, ours), _files(root, theirs)
+        a, b = dcp_files(root, ours), dcp_files(root, theirs)
         assert set(a) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
         assert a == b, (ours, [n for n in a if a[n] != b.get(n)])
-    assert _files(root, "s1") == _files(root, "s2")  # same state, same bytes
-    assert _files(root, "s8") == _files(root, "s7")
+    assert dcp_files(root, "s1") == dcp_files(root, "s2")  # same state, same bytes
+    assert dcp_files(root, "s8") == dcp_files(root, "s7")
     assert ".metadata" not in os.listdir(os.path.join(root, "s6"))  # the failed save
 
     # the two ranks' shards load into one process: the global metadata covers both files
@@ -226,29 +173,6 @@ def test_agreed_plans_write_what_dcp_save_writes(tmp_path, world):
         assert torch.equal(full["model"][k], v), k
 
 
-def _load_into_one(path: str, like: dict) -> dict:
-    """A DCP directory read back with torch's own reader, into one process."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    dcp.load(like, storage_reader=FileSystemReader(path), no_dist=True)
-    return like
-
-
-def _check_saves_load_exactly(root: str, saves: dict[str, str], differ: tuple[str, str]) -> None:
-    """Each save (name -> its DCP directory under ``root``) loads into one process as
-    the whole model rank 0 kept beside it; the two saves ``differ`` held other values,
-    so the check cannot pass by loading stale bytes."""
-    for name, d in saves.items():
-        saved = torch.load(os.path.join(root, f"{name}-model.pt"), weights_only=True)
-        got = _load_into_one(os.path.join(root, d),
-                             {"model": {k: torch.zeros_like(v) for k, v in saved.items()}})
-        for k, v in saved.items():
-            assert torch.equal(got["model"][k], v), (name, k)
-    a, b = (torch.load(os.path.join(root, f"{name}-model.pt"), weights_only=True)
-            for name in differ)
-    assert not torch.equal(a["0.weight"], b["0.weight"])
-
-
 def _image_rank_main(rank: int, world: int, port: int, root: str) -> None:
     from raycheckpoint._internal.dcp import record_layout as dcp_io
     from raycheckpoint._internal.shard_saver import ShardSaver
@@ -261,11 +185,11 @@ def _image_rank_main(rank: int, world: int, port: int, root: str) -> None:
         # this model is tiny: every tensor counts as large, so file 0 holds tensors only
         dcp_io.SPLIT_AT_BYTES = dcp_io.SMALL_ITEM_BYTES = 0
         # one output: the last layer's shards are uneven, rank 1's empty
-        net, optim, state = _model_and_state(world, out=1)
+        net, optim, state = model_and_state(world, out=1)
         saver = ShardSaver(role="actor", rank=rank, world_size=world, storage=StorageSpec(root))
         full_protocol: list[int] = []
         torch_save = dcp.save
-        dcp.save = _counting(torch_save, full_protocol)
+        dcp.save = counting(torch_save, full_protocol)
         data_file = f"__{rank}_0.distcp"
 
         def save(d: str, kind: str = "full") -> tuple[HashingStorageWriter, ShardPlan]:
@@ -277,10 +201,10 @@ def _image_rank_main(rank: int, world: int, port: int, root: str) -> None:
             return writer, plan
 
         def step() -> None:
-            _train_step(net, optim)
+            train_step(net, optim)
 
         def whole_model(d: str) -> None:
-            _save_whole_model(net, rank, os.path.join(root, f"{d}-model.pt"))
+            save_whole_model(net, rank, os.path.join(root, f"{d}-model.pt"))
 
         writer, plan = save("i1")
         whole_model("i1")
@@ -338,7 +262,7 @@ def test_a_data_file_staged_whole_is_written_from_its_block_and_loads(tmp_path):
 
     root = str(tmp_path)
     mp.spawn(_image_rank_main, args=(2, free_port(), root), nprocs=2, join=True)
-    _check_saves_load_exactly(root, {d: d for d in ("i1", "i2", "i3", "i4")}, ("i2", "i3"))
+    check_saves_load_exactly(root, {d: d for d in ("i1", "i2", "i3", "i4")}, ("i2", "i3"))
 
 
 def test_the_planner_flattens_once_and_reads_the_values_afresh():
@@ -357,7 +281,7 @@ def test_the_planner_flattens_once_and_reads_the_values_afresh():
     planner = ShardPlan().planner
     flattened: list[int] = []
     real = _nested_dict.flatten_state_dict
-    _nested_dict.flatten_state_dict = _counting(real, flattened)
+    _nested_dict.flatten_state_dict = counting(real, flattened)
     try:
         import torch.distributed.checkpoint.default_planner as default_planner
 
@@ -410,7 +334,7 @@ def test_laid_out_records_write_what_torch_writes(tmp_path, monkeypatch):
         save_state(state(note), HashingStorageWriter(storage, f"s{i}", plan), plan)
         dcp.save(state(note), storage_writer=HashingStorageWriter(storage, f"t{i}"),
                    planner=DefaultSavePlanner(), no_dist=True)
-        ours, theirs = _files(str(tmp_path), f"s{i}"), _files(str(tmp_path), f"t{i}")
+        ours, theirs = dcp_files(str(tmp_path), f"s{i}"), dcp_files(str(tmp_path), f"t{i}")
         assert ours == theirs, (i, [n for n in ours if ours[n] != theirs.get(n)])
         got = {"big": torch.zeros_like(big), "small": {str(k): torch.zeros(8, 8) for k in range(12)},
                "note": "", "lr": 0.0}
@@ -421,132 +345,3 @@ def test_laid_out_records_write_what_torch_writes(tmp_path, monkeypatch):
     hows = [how for how, _ in layout.segments]
     assert hows.count(dcp_io._AS_IS) == 1 and hows.count(dcp_io._FRESH) == 2
     assert hows.count(dcp_io._JOINED) >= 2
-
-
-def _write_ahead_rank_main(rank: int, world: int, port: int, root: str) -> None:
-    from raycheckpoint._internal.dcp import record_layout as dcp_io
-    from raycheckpoint._internal.overlapped_write import CopyFailed, OverlappedWrite
-    from raycheckpoint._internal.persist import SaveTarget
-    from raycheckpoint._internal.shard_saver import ShardSaver
-    from raycheckpoint.storage import StorageSpec
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    try:
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
-        dcp_io.SPLIT_AT_BYTES = dcp_io.SMALL_ITEM_BYTES = 0  # file 0: tensors only
-        net, optim, state = _model_and_state(world)
-        saver = ShardSaver(role="actor", rank=rank, world_size=world, storage=StorageSpec(root))
-        data_file = f"__{rank}_0.distcp"
-        taken: list = []  # what the storage writers took of the early writes
-        aheads: list = []  # each save's early write
-        real_take = OverlappedWrite.take
-
-        def take(self, rel, block):
-            entry = real_take(self, rel, block)
-            taken.append((rel, entry))
-            return entry
-
-        OverlappedWrite.take = take
-
-        def save(d: str, *, fail_copy: bool = False, forget: bool = False):
-            """As a snapshot then its persist do, with the early write between them."""
-            staged, copies, ready = saver.stager.plan("full", state())
-            copies, progress = saver._start_overlapped_write("full", copies,
-                                                             SaveTarget(None, "", d), 30.0)
-            plan = saver.plans.setdefault("full", ShardPlan())
-            ahead = saver._early.get("full")
-            aheads.append(ahead)
-            failed = None
-            if fail_copy:  # this rank's copy fails halfway
-                half = len(copies) // 2
-                copies[half] = (copies[half][0], "not a tensor")
-                with pytest.raises(TypeError) as failed_copy:
-                    saver.stager.copy(copies, ready, progress)
-                failed = RuntimeError(f"the copy failed: {failed_copy.value}")
-            else:
-                saver.stager.copy(copies, ready, progress)
-            if forget:  # the staged tensors moved after the snapshot: no image to write
-                plan.forget_tensors()
-            writer = HashingStorageWriter(saver.storage, f"{d}/actor", plan, ahead)
-            try:
-                save_state(staged, writer, plan, group, failed=failed)
-            finally:
-                saver._end_overlapped_write("full")
-            if not plan.tried_images:
-                saver._stage_files_whole("full", plan, writer.results)
-            return writer, plan, ahead
-
-        def step() -> None:
-            _train_step(net, optim)
-
-        def whole_model(d: str) -> None:
-            _save_whole_model(net, rank, os.path.join(root, f"{d}-model.pt"))
-
-        def data(d: str) -> bytes:
-            with open(os.path.join(root, d, "actor", data_file), "rb") as f:
-                return f.read()
-
-        _, plan, ahead = save("w1")  # the first save of a plan: nothing written early
-        assert ahead is None and plan.images
-        whole_model("w1")
-
-        step()
-        writer, plan, ahead = save("w2")  # written while the copy filled the block
-        whole_model("w2")
-        rel = f"w2/actor/{data_file}"
-        assert ahead is not None and ahead.error is None and not ahead.written
-        entry = [e for e in writer.written if e.path == rel]
-        assert (rel, entry[0]) in taken, taken
-        assert data("w2") == bytes(plan.images[data_file].view)
-        assert entry[0].digest == digest.of(data("w2"), "blake3")
-        order = plan.copy_order[2]  # built once per staging and image, then kept
-
-        step()  # rank 1's copy fails: its early write stops, rank 0's goes unused
-        taken.clear()
-        with pytest.raises(Exception, match="copy failed"):
-            save("w3", fail_copy=rank == 1)
-        assert not os.path.exists(os.path.join(root, "w3", "actor", data_file))
-        assert "full" not in saver._early  # ended, the files removed
-        assert saver.plans["full"].copy_order[2] is order
-        if rank == 1:
-            assert isinstance(aheads[-1].error, CopyFailed)
-        else:
-            assert aheads[-1].error is None and not taken  # no storage writer reached it
-        taken.clear()
-
-        writer, plan, ahead = save("w4")  # after a failure: the full protocol, written late
-        assert ahead is None and not taken
-        whole_model("w4")
-
-        step()
-        saver.writes_ahead = False  # checkpoint.write_ahead=false: the block written late
-        writer, plan, ahead = save("w4b")
-        assert ahead is None and not taken and plan.outcome is not None
-        assert data("w4b") == bytes(plan.images[data_file].view)
-        whole_model("w4b")
-        saver.writes_ahead = True
-
-        step()
-        writer, plan, ahead = save("w5", forget=True)  # the image is gone: record by record
-        assert (f"w5/actor/{data_file}", None) in taken and not plan.images
-        whole_model("w5")
-        dist.barrier(group)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_a_data_file_staged_whole_is_written_while_the_copy_fills_it(tmp_path):
-    """From the second save of a plan, a data file staged whole is written while the
-    snapshot's copy fills its block; the persist takes that file (its bytes the block's,
-    its checksum theirs) instead of writing it.  A copy failing on one rank fails the save
-    on both and leaves no early file behind; with the early write turned off the persist
-    writes the block; a save whose image went away between the snapshot and the persist
-    writes the file record by record.  The copies' order is built once and kept.  Every
-    save loads exactly with torch's own reader."""
-    from workers.group import free_port
-
-    root = str(tmp_path)
-    mp.spawn(_write_ahead_rank_main, args=(2, free_port(), root), nprocs=2, join=True)
-    _check_saves_load_exactly(root, {d: f"{d}/actor" for d in ("w1", "w2", "w4", "w4b", "w5")},
-                              ("w2", "w5"))
