@@ -72,31 +72,26 @@ def asset_file(role: str, name: str) -> str:
     return f"{ASSETS_DIR}/{role}/{name}"
 
 
+def _in_step(file_name: str) -> property:
+    """A property: ``file_name`` in the checkpoint's step directory."""
+    return property(lambda self: f"{self.name}/{file_name}",
+                    doc=f"``<step directory>/{file_name}``")
+
+
 @dataclass(frozen=True)
 class CheckpointPaths:
     """The paths of the checkpoint in step directory ``name``, relative to the root."""
 
     name: str
 
+    committed = _in_step(COMMITTED)
+    manifest = _in_step(MANIFEST)
+    version = _in_step(VERSION)
+    trainer_state = _in_step(TRAINER_STATE)
+
     @classmethod
     def of_step(cls, step: int, *, upgraded: bool = False) -> CheckpointPaths:
         return cls(step_dir_name(step, upgraded=upgraded))
-
-    @property
-    def committed(self) -> str:
-        return f"{self.name}/{COMMITTED}"
-
-    @property
-    def manifest(self) -> str:
-        return f"{self.name}/{MANIFEST}"
-
-    @property
-    def version(self) -> str:
-        return f"{self.name}/{VERSION}"
-
-    @property
-    def trainer_state(self) -> str:
-        return f"{self.name}/{TRAINER_STATE}"
 
     def role_dir(self, role: str) -> str:
         """The role's DCP directory."""
