@@ -39,9 +39,8 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from raycheckpoint.config import CheckpointConfig
 from raycheckpoint.errors import CheckpointSaveError, CommitTimeoutError
 from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol import catalog
@@ -50,6 +49,9 @@ from raycheckpoint.protocol.commit import SaveRecord, commit
 from raycheckpoint.protocol.paths import step_dir_name, validate_tag
 from raycheckpoint.protocol.root import RootState
 from raycheckpoint.storage import FileEntry, Storage, StorageSpec
+
+if TYPE_CHECKING:  # the job's config, handed down by the manager
+    from raycheckpoint.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 

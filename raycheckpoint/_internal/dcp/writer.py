@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint import Metadata, SavePlan, SavePlanner, StorageWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
@@ -38,9 +38,11 @@ from torch.futures import Future
 from raycheckpoint._internal.dcp.record_layout import split_items
 from raycheckpoint._internal.dcp.shard_plan import ShardPlan
 from raycheckpoint._internal.dcp.torch_records import contiguous_owner, save_record
-from raycheckpoint._internal.overlapped_write import OverlappedWrite
 from raycheckpoint.protocol.paths import dcp_metadata
 from raycheckpoint.storage import FileEntry, Storage
+
+if TYPE_CHECKING:  # the saver hands it over; this layer does not make one
+    from raycheckpoint._internal.overlapped_write import OverlappedWrite
 
 DCP_SUFFIX = ".distcp"
 
