@@ -188,3 +188,32 @@ def test_file_uri_and_plain_path_agree(tmp_path):
     b = Storage(str(tmp_path))
     a.write_bytes("f", b"data")
     assert b.read_bytes("f") == b"data" and a.caps.local_paths and b.caps.local_paths
+
+
+def test_each_kind_of_uri_opens_its_backend(tmp_path):
+    """Storage(uri) is the backend for the URI's kind, and a spec reopens the same kind;
+    what a backend can do is what its capabilities say."""
+    from raycheckpoint.storage.memory import MemoryStorage
+    from raycheckpoint.storage.posix import LocalStorage
+    from raycheckpoint.storage.s3 import S3Storage
+
+    local = Storage(str(tmp_path / "a"))
+    memory = Storage(f"memory://rc-{uuid.uuid4().hex[:8]}")
+    s3 = Storage("s3://bucket/prefix", {"anon": True}, create=False)
+    assert type(local) is LocalStorage and type(Storage(f"file://{tmp_path}")) is LocalStorage
+    assert type(memory) is MemoryStorage and type(s3) is S3Storage
+    # a kind without a backend of its own: the generic fsspec one (nothing is requested here)
+    assert type(Storage("http://127.0.0.1:9/ckpt", create=False)) is Storage
+    assert type(local.spec.open()) is LocalStorage and type(memory.spec.open()) is MemoryStorage
+    assert type(local.spec.child("x").open()) is LocalStorage
+    assert local.caps.local_paths and local.caps.atomic_create and local.writes_direct
+    assert not memory.caps.shared and not memory.caps.atomic_create
+    assert s3.caps.atomic_create and not s3.caps.local_paths and not s3.writes_direct
+    assert not Storage(str(tmp_path / "b"), direct_io=False).writes_direct
+
+
+def test_a_job_refuses_a_root_only_its_own_process_sees():
+    from raycheckpoint import CheckpointConfig, CheckpointManager
+
+    with pytest.raises(ValueError, match="process-local"):
+        CheckpointManager(CheckpointConfig(save_dir=f"memory://rc-{uuid.uuid4().hex[:8]}"), {})

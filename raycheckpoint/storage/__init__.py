@@ -8,6 +8,7 @@ module                 backend                                     kinds
 =====================  ==========================================  =====================
 :mod:`.posix`          :class:`~.posix.LocalStorage`               plain paths, file://
 :mod:`.s3`             :class:`~.s3.S3Storage`                     s3://, s3a://
+:mod:`.memory`         :class:`~.memory.MemoryStorage`             memory://
 :mod:`.base`           :class:`~.base.Storage` (generic fsspec)    anything else
 =====================  ==========================================  =====================
 

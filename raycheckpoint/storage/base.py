@@ -58,7 +58,7 @@ READ_STEP = 4 << 20
 class Storage:
     """Byte-level access to one checkpoint root over fsspec (see the module doc)."""
 
-    capabilities = Capabilities()
+    caps = Capabilities()  # what this backend can do (a subclass declares its own)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Storage:
         if cls is Storage:  # Storage(uri): the backend for the URI's kind
@@ -82,10 +82,6 @@ class Storage:
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         if create:
             self._create_root()
-
-    @property
-    def caps(self) -> Capabilities:
-        return self.capabilities
 
     @property
     def writes_direct(self) -> bool:

@@ -42,7 +42,7 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 class LocalStorage(Storage):
     """A root on this node's filesystem: system calls, not fsspec, on every hot path."""
 
-    capabilities = Capabilities(local_paths=True, direct_io=True, atomic_create=True,
+    caps = Capabilities(local_paths=True, direct_io=True, atomic_create=True,
                                 symlinks=True)
 
     def __init__(self, uri: str, options: dict[str, Any] | None = None, **kwargs: Any) -> None:

@@ -2,7 +2,7 @@
 
 A URI's kind is its fsspec protocol (``s3://b/p`` is ``s3``; a plain path is ``file``).
 Kinds not listed here are served by :class:`~raycheckpoint.storage.base.Storage` itself,
-through plain fsspec calls (``memory://``, ``gs://``, ``az://``, ...).  A backend for
+through plain fsspec calls (``gs://``, ``az://``, ...).  A backend for
 another kind is one module with a :class:`~raycheckpoint.storage.base.Storage` subclass
 (its :class:`~raycheckpoint.storage.spec.Capabilities` and the operations it does
 differently, such as an exclusive create), and a line here.  Backends are imported on
@@ -24,6 +24,7 @@ BACKENDS: dict[str, str] = {
     "local": "raycheckpoint.storage.posix:LocalStorage",
     "s3": "raycheckpoint.storage.s3:S3Storage",
     "s3a": "raycheckpoint.storage.s3:S3Storage",
+    "memory": "raycheckpoint.storage.memory:MemoryStorage",
 }
 
 

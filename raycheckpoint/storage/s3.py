@@ -22,7 +22,7 @@ from raycheckpoint.storage.spec import Capabilities
 class S3Storage(Storage):
     """A root on S3 (or a store speaking its API)."""
 
-    capabilities = Capabilities(atomic_create=True)
+    caps = Capabilities(atomic_create=True)
 
     def _create_once(self, full: str, data: bytes) -> None:
         try:
