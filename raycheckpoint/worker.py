@@ -227,7 +227,7 @@ class CheckpointableWorker:
             saver.refuse(kind, e, target)
             raise
         overlap = overlap and bool(self._ckpt_guards)
-        out = saver.snapshot(Snapshot(kind, state, extra, dict(assets or {})), target,
+        out = saver.snapshot(Snapshot(kind, state, extra, assets or {}), target,
                              wait_timeout_s=wait_timeout_s, start=start, overlap=overlap)
         out["overlap"] = overlap
         out["copy_s"] = out["stall_s"]

@@ -89,10 +89,6 @@ class CheckpointPaths:
     version = _in_step(VERSION)
     trainer_state = _in_step(TRAINER_STATE)
 
-    @classmethod
-    def of_step(cls, step: int, *, upgraded: bool = False) -> CheckpointPaths:
-        return cls(step_dir_name(step, upgraded=upgraded))
-
     def role_dir(self, role: str) -> str:
         """The role's DCP directory."""
         return f"{self.name}/{role}"
