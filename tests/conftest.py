@@ -1,8 +1,14 @@
 """Shared test fixtures: one local S3 server, one Ray instance and warm worker groups.
 
-Everything here is real: moto's S3 server on 127.0.0.1 reached through s3fs, a local
-Ray instance (never joining another cluster), and FSDP2 worker groups on gloo.  They
-are session-scoped and reused, and every wait has a timeout.
+Everything here is real: an S3 server on 127.0.0.1 reached through s3fs, a local Ray
+instance (never joining another cluster), and FSDP2 worker groups on gloo.  They are
+session-scoped and reused, and every wait has a timeout.
+
+The S3 server is the one named by ``RAYCHECKPOINT_TEST_S3_ENDPOINT`` (with ``_KEY`` and
+``_SECRET``; ``python -m tests.rgw -- pytest ...`` starts Ceph's RADOS Gateway and sets
+them), else moto's, started here with credentials made up for the session.  Credentials
+reach the code only through storage options: none are in the environment, so code that
+drops the options fails here as it would against a real store.
 """
 
 from __future__ import annotations
@@ -14,33 +20,53 @@ import uuid
 
 import pytest
 
-os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+for _var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+    os.environ.pop(_var, None)  # Ray workers inherit this environment too
+os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.environ["AWS_CONFIG_FILE"] = os.devnull
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 RPC_TIMEOUT = 120
+BUCKET = "ckpt"
+
+
+def s3_options(endpoint: str, key: str, secret: str) -> dict:
+    return {"endpoint_url": endpoint, "key": key, "secret": secret}
 
 
 @pytest.fixture(scope="session")
 def s3_server():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+    """``{"endpoint", "options", "kind"}`` of the session's S3 server, bucket ``ckpt`` in it."""
     import boto3
 
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="ckpt")
-    yield {"endpoint": endpoint,
-           "options": {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}}
-    server.stop()
+    endpoint = os.environ.get("RAYCHECKPOINT_TEST_S3_ENDPOINT")
+    server = None
+    if endpoint:
+        key = os.environ["RAYCHECKPOINT_TEST_S3_KEY"]
+        secret = os.environ["RAYCHECKPOINT_TEST_S3_SECRET"]
+        kind = os.environ.get("RAYCHECKPOINT_TEST_S3_KIND", "external")
+    else:
+        from moto.server import ThreadedMotoServer
+
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        endpoint, key, secret, kind = f"http://{host}:{port}", uuid.uuid4().hex[:20], uuid.uuid4().hex, "moto"
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key,
+                          aws_secret_access_key=secret)
+    if BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
+        client.create_bucket(Bucket=BUCKET)
+    from tests.helpers import REPORTS
+
+    REPORTS.append(f"S3 server: {kind} at {endpoint}")
+    yield {"endpoint": endpoint, "options": s3_options(endpoint, key, secret), "kind": kind}
+    if server is not None:
+        server.stop()
 
 
 @pytest.fixture
 def s3_root(s3_server):
     """A fresh prefix in the test bucket, with the s3fs options to reach it."""
-    return f"s3://ckpt/{uuid.uuid4().hex[:10]}", s3_server["options"]
+    return f"s3://{BUCKET}/{uuid.uuid4().hex[:10]}", s3_server["options"]
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])

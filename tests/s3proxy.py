@@ -7,7 +7,15 @@ random, per request) to
 * drop the connection without an answer with probability ``drop``,
 * answer only after ``delay_s`` with probability ``slow``,
 * send a GET's answer with its full ``Content-Length`` but only half its body, then
-  close the connection, with probability ``cut``.
+  close the connection, with probability ``cut``;
+* forward the request, then drop the connection without passing the answer on (the
+  request took effect, its answer was lost) with probability ``lose``.
+
+Requests are forwarded exactly as signed: the proxy never edits a header the client
+signed (SigV4 covers them; a server that checks signatures would refuse the request).
+A server that ignores ``Range`` is played from the proxy's side (``ignore_range``): a
+ranged GET of an object whose whole answer passed through earlier is answered with that
+whole answer, as such a server would.
 
 ``counts`` tells what it did, ``ranged`` how many requests asked for a byte range.
 Bounded: it serves only while the test runs and listens on 127.0.0.1 only.
@@ -33,12 +41,14 @@ class FaultProxy:
     def __init__(self, upstream: str, *, seed: int = 0) -> None:
         split = urlsplit(upstream)
         self.upstream = (split.hostname, split.port)
-        self.fail = self.drop = self.slow = self.cut = 0.0
-        self.ignore_range = False  # forward GETs without their Range header, as some servers answer
+        self.fail = self.drop = self.slow = self.cut = self.lose = 0.0
+        self.ignore_range = False  # answer ranged GETs with the whole object, as some servers do
+        self._whole: dict[str, tuple[list[tuple[str, str]], bytes]] = {}  # path -> a 200 GET's answer
         self.delay_s = 0.2
         self.counts: Counter[str] = Counter()
         self.ranged = 0
         self._rng = random.Random(seed)
+        self._script: list[str] = []  # actions for the next requests, before the rates
         self._lock = threading.Lock()
         proxy = self
 
@@ -81,17 +91,21 @@ class FaultProxy:
                 if action == "slow":
                     time.sleep(proxy.delay_s)
                 cut = action == "cut" and self.command == "GET"
-                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP
-                           and not (proxy.ignore_range and k.lower() == "range")}
-                if body or self.command in ("PUT", "POST"):
-                    headers["Content-Length"] = str(len(body))
-                conn.request(self.command, self.path, body=body or None, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status, resp.reason)
+                whole = (proxy._whole.get(self.path) if proxy.ignore_range
+                         and self.command == "GET" and self.headers.get("Range") else None)
+                if whole is not None:
+                    status, reason, answer_headers, data = 200, "OK", *whole
+                else:
+                    status, reason, answer_headers, data = self._forward(body)
+                    if action == "lose":
+                        self.close_connection = True
+                        self.connection.close()
+                        return
+                    if status == 200 and self.command == "GET" and not self.headers.get("Range"):
+                        proxy._whole[self.path] = (answer_headers, data)
+                self.send_response(status, reason)
                 head = self.command == "HEAD"  # keeps the upstream Content-Length (object size)
-                for k, v in resp.getheaders():
+                for k, v in answer_headers:
                     if k.lower() not in HOP_BY_HOP and (head or k.lower() != "content-length"):
                         self.send_header(k, v)
                 if not head:
@@ -104,7 +118,19 @@ class FaultProxy:
                     self.connection.close()
                 elif self.command != "HEAD":
                     self.wfile.write(data)
-                conn.close()
+
+            def _forward(self, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
+                """The request, headers as signed, to the server; its answer."""
+                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+                    if body or self.command in ("PUT", "POST"):
+                        headers["Content-Length"] = str(len(body))
+                    conn.request(self.command, self.path, body=body or None, headers=headers)
+                    resp = conn.getresponse()
+                    return resp.status, resp.reason, resp.getheaders(), resp.read()
+                finally:
+                    conn.close()
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
@@ -116,7 +142,9 @@ class FaultProxy:
     def _decide(self) -> str:
         with self._lock:
             r = self._rng.random()
-            if r < self.fail:
+            if self._script:
+                action = self._script.pop(0)
+            elif r < self.fail:
                 action = "fail"
             elif r < self.fail + self.drop:
                 action = "drop"
@@ -124,17 +152,24 @@ class FaultProxy:
                 action = "slow"
             elif r < self.fail + self.drop + self.slow + self.cut:
                 action = "cut"
+            elif r < self.fail + self.drop + self.slow + self.cut + self.lose:
+                action = "lose"
             else:
                 action = "forward"
             self.counts[action] += 1
             return action
 
     def set(self, *, fail: float = 0.0, drop: float = 0.0, slow: float = 0.0,
-            cut: float = 0.0) -> None:
+            cut: float = 0.0, lose: float = 0.0) -> None:
         with self._lock:
-            self.fail, self.drop, self.slow, self.cut = fail, drop, slow, cut
+            self.fail, self.drop, self.slow, self.cut, self.lose = fail, drop, slow, cut, lose
             self.counts.clear()
             self.ranged = 0
+
+    def script(self, *actions: str) -> None:
+        """Take ``actions`` ("lose", "drop", "fail", ...) for the next requests, in order."""
+        with self._lock:
+            self._script += actions
 
     def __enter__(self) -> FaultProxy:
         self._thread.start()

@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import time
+import uuid
 
 import pytest
 import ray
@@ -242,8 +243,8 @@ def test_the_bench_s3_server_runs_below_the_ranks_and_serves():
     server = MotoProcess()
     try:
         assert os.getpriority(os.PRIO_PROCESS, server._proc.pid) == 19
-        fs = fsspec.filesystem("s3", endpoint_url=server.endpoint, key="k", secret="s",
-                               skip_instance_cache=True)
+        fs = fsspec.filesystem("s3", endpoint_url=server.endpoint, key=uuid.uuid4().hex,
+                               secret=uuid.uuid4().hex, skip_instance_cache=True)
         fs.mkdir("bench")
         fs.pipe("bench/x", b"payload")
         assert fs.cat("bench/x") == b"payload"

@@ -310,8 +310,7 @@ def test_commands_on_s3(job_root, s3_root, tmp_path, capsys):
             if os.path.islink(path):
                 continue
             fs.put_file(path, f"{uri[5:]}/{os.path.relpath(path, src)}")
-    opts = ["-o", f"endpoint_url={options['endpoint_url']}", "-o", "key=testing",
-            "-o", "secret=testing"]
+    opts = [a for k, v in options.items() for a in ("-o", f"{k}={v}")]
     code, doc = run_json(capsys, "ls", uri, *opts)
     assert code == 0 and [r["name"] for r in doc["checkpoints"]] == [
         "step_00000002", "step_00000003", "step_00000004"]

@@ -12,7 +12,7 @@ import pytest
 from raycheckpoint import CheckpointSaveError, LeaseHeldError, LeaseLostError, Storage
 from raycheckpoint.protocol.lease import Lease, LeaseInfo, read_lease
 from raycheckpoint.protocol.paths import COMMITTED, LATEST, LEASE
-from tests.helpers import manager, train
+from tests.helpers import REPORTS, manager, train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,6 +54,45 @@ def test_a_second_job_is_refused_naming_the_holder(storage):
     b = Lease(storage, job_name="job-b", wait_s=0).acquire()
     assert read_lease(storage).job_id == b.job_id and b.took_over is None
     b.release()
+
+
+@pytest.mark.parametrize("storage", BACKENDS, indirect=True)
+def test_jobs_racing_for_a_root_one_wins_the_others_are_refused_at_once(storage):
+    """Four jobs start at the same instant: one conditional create wins, each loser gets
+    LeaseHeldError naming the winner within a second (not an I/O error after retries)."""
+    import threading
+
+    spec = storage.spec
+    start = threading.Barrier(4, timeout=30)
+    outcome: dict[str, object] = {}
+
+    def race(name: str) -> None:
+        mine = spec.open()
+        start.wait()
+        t0 = time.monotonic()
+        try:
+            outcome[name] = Lease(mine, job_name=name, ttl_s=30, wait_s=0).acquire()
+        except Exception as e:  # noqa: BLE001 - the outcome is what is tested
+            outcome[name] = e
+        outcome[name + ".s"] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=race, args=(f"job-{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    winners = [v for k, v in outcome.items() if isinstance(v, Lease)]
+    losers = [v for k, v in outcome.items() if not k.endswith(".s") and not isinstance(v, Lease)]
+    try:
+        assert len(winners) == 1 and len(losers) == 3, outcome
+        assert all(isinstance(e, LeaseHeldError) for e in losers), losers
+        assert all(e.holder == winners[0].info.job_name for e in losers)
+        assert max(v for k, v in outcome.items() if k.endswith(".s")) < 5, outcome
+        REPORTS.append(f"lease race on {storage.protocol}: 1 of 4 won, 3 refused with "
+                       f"LeaseHeldError in ≤{max(v for k, v in outcome.items() if k.endswith('.s')):.2f}s")
+    finally:
+        for w in winners:
+            w.release()
 
 
 @pytest.mark.parametrize("storage", BACKENDS, indirect=True)

@@ -18,7 +18,7 @@ import pytest
 
 from raycheckpoint import CheckpointSaveError, Storage
 from raycheckpoint.admin import verify
-from raycheckpoint.storage.retry import is_transient
+from raycheckpoint.storage.retry import http_answer, is_precondition_failed, is_transient
 from tests.helpers import REPORTS, manager, train
 from tests.s3proxy import FaultProxy
 
@@ -42,6 +42,33 @@ def test_what_counts_as_transient():
     assert not is_transient(OSError(errno.ENOSPC, "No space left on device"))
     assert not is_transient(FileNotFoundError("x"))
     assert not is_transient(PermissionError("x"))
+    assert not is_transient(OSError(errno.EINVAL, "Invalid argument"))
+
+
+def test_a_refused_conditional_put_is_known_by_its_code_not_its_text():
+    """What s3fs raises for a 412 without ``<Condition>`` and with an empty message (Ceph's
+    RADOS Gateway): ``OSError(EINVAL, None)``, the answer only on its cause."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    def s3fs_error(error: dict, status: int) -> OSError:
+        return translate_boto_error(ClientError(
+            {"Error": error, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"))
+
+    gateway = s3fs_error({"Code": "PreconditionFailed", "Message": None}, 412)
+    assert type(gateway) is OSError and gateway.errno == errno.EINVAL and "412" not in repr(gateway)
+    assert is_precondition_failed(gateway) and not is_transient(gateway)
+    assert str(http_answer(gateway)) == "HTTP 412 PreconditionFailed"
+    bare = s3fs_error({"Code": "412", "Message": "Precondition Failed"}, 412)  # no body at all
+    assert is_precondition_failed(bare) and not is_transient(bare)
+    moto = s3fs_error({"Code": "PreconditionFailed", "Message": "At least one of the "
+                       "pre-conditions you specified did not hold", "Condition": "If-None-Match"}, 412)
+    assert isinstance(moto, FileExistsError) and is_precondition_failed(moto)
+    throttled = s3fs_error({"Code": "SlowDown", "Message": None}, 503)
+    assert is_transient(throttled) and not is_precondition_failed(throttled)
+    denied = s3fs_error({"Code": "AccessDenied", "Message": None}, 403)
+    assert isinstance(denied, PermissionError) and not is_transient(denied)
+    assert http_answer(OSError(errno.EIO, "x")) is None
 
 
 @pytest.fixture
@@ -70,6 +97,36 @@ def test_storage_operations_survive_a_lossy_s3(proxy, s3_server, s3_root):
     st.delete_tree("d")
     assert st.list_files("d") == {}
     assert proxy.counts["fail"] > 0 and proxy.counts["drop"] > 0
+
+
+@pytest.mark.s3
+def test_a_marker_whose_answer_was_lost_is_recognised_as_our_own(proxy, s3_server, s3_root):
+    """The conditional PUT reaches the server, its answer does not: the retry meets 412
+    and finds its own bytes there, which is success; anyone else's bytes are not."""
+    uri, _ = s3_root
+    st = Storage(uri, _options(s3_server, proxy.endpoint), retries=4)
+    proxy.script("lose")
+    st.create_marker("d/MARKER", b"ours")
+    assert proxy.counts["lose"] == 1 and st.read_bytes("d/MARKER") == b"ours"
+    t0 = time.monotonic()
+    with pytest.raises(FileExistsError):
+        st.create_marker("d/MARKER", b"theirs")
+    assert time.monotonic() - t0 < 2 and st.read_bytes("d/MARKER") == b"ours"  # 412 is final
+
+
+@pytest.mark.s3
+def test_an_s3_error_names_the_operation_the_object_and_the_status(proxy, s3_server, s3_root):
+    uri, _ = s3_root
+    st = Storage(uri, _options(s3_server, proxy.endpoint,
+                               config_kwargs={"retries": {"max_attempts": 1}}), retries=1)
+    with pytest.raises(FileNotFoundError) as missing:
+        st.read_bytes("d/absent")
+    assert f"S3 read {uri}/d/absent failed: " in str(missing.value) and "404" in str(missing.value)
+    proxy.set(fail=1.0)
+    with pytest.raises(OSError) as throttled:
+        st.write_bytes("d/x", b"payload")
+    assert f"S3 write {uri}/d/x failed: HTTP 503 SlowDown" in str(throttled.value)
+    assert "failed after 2 attempts" in "".join(getattr(throttled.value, "__notes__", []))
 
 
 @pytest.mark.s3

@@ -20,8 +20,8 @@ Paths are relative to the root (``step_00000010/actor/x``).  What every backend 
 * retries (:meth:`retrying`: exponential backoff with jitter, ``retries`` attempts more)
   of every operation while it fails transiently (connection drops, throttling, 5xx;
   :func:`~raycheckpoint.storage.retry.is_transient`); a full disk, a permission error or
-  a missing file fails at once.  A retried exclusive create that finds the file
-  recognises its own earlier, answered-but-lost write.
+  a missing file fails at once.  An exclusive create that finds the file recognises
+  its own earlier, answered-but-lost write by its content.
 
 This generic backend's exclusive create is an existence check followed by a PUT: atomic
 against nobody.  Where that matters (the ``COMMITTED`` marker, the lease), use a backend
@@ -96,13 +96,16 @@ class Storage:
     def _create_root(self) -> None:
         """Make the root exist where that means anything (object stores have no directories)."""
 
-    def retrying(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()``, retried with exponential backoff and jitter while it fails transiently.
+    def retrying(self, op: str, rel: str, fn: Callable[[], T]) -> T:
+        """``fn()`` (operation ``op`` on ``rel``), retried with exponential backoff and
+        jitter while it fails transiently.
 
         Transient: connection errors, throttling and 5xx answers of object stores, and
         other I/O errors; never a missing or existing file, a permission error, a full
-        disk or an injected fault.  The last error is raised with a note of the attempts.
+        disk or an injected fault.  The last error is raised as :meth:`_failure` words it,
+        with a note of the attempts.
         """
+        what = f"{op} {rel or '/'}"
         delay = RETRY_BASE_S
         for attempt in range(self.retries + 1):
             try:
@@ -111,13 +114,21 @@ class Storage:
                 if attempt >= self.retries or not is_transient(e):
                     if attempt:
                         e.add_note(f"{what}: failed after {attempt + 1} attempts")
-                    raise
+                    failure = self._failure(op, rel, e)
+                    if failure is e:
+                        raise
+                    raise failure from e
                 self.retried += 1
                 logger.warning("%s: %s: %s; retry %d/%d in %.2fs", what, type(e).__name__, e,
                                attempt + 1, self.retries, delay)
                 time.sleep(delay * (0.5 + random.random() / 2))
                 delay = min(RETRY_MAX_S, delay * 2)
         raise AssertionError("unreachable")
+
+    def _failure(self, op: str, rel: str, e: Exception) -> Exception:
+        """The error raised to the caller when operation ``op`` on ``rel`` failed with
+        ``e``: ``e`` itself here; a backend whose errors can be mute rewords them."""
+        return e
 
     def full_path(self, rel: str) -> str:
         return posixpath.join(self.root, rel) if rel else self.root
@@ -149,35 +160,37 @@ class Storage:
                 w.write(data)
             return w.close()
 
-        return self.retrying(f"write {rel}", once)
+        return self.retrying("write", rel, once)
 
     def write_pointer(self, rel: str, data: bytes) -> None:
         """Replace ``rel`` atomically with ``data`` (readers see old or new, never half)."""
         faults.check("storage.pointer", path=rel)
         full = self.full_path(rel)
-        self.retrying(f"write {rel}", lambda: self._replace(full, data))
+        self.retrying("write", rel, lambda: self._replace(full, data))
 
     def _replace(self, full: str, data: bytes) -> None:
         self.fs.pipe_file(full, data)  # one PUT replaces an object atomically
 
     def create_marker(self, rel: str, data: bytes) -> None:
-        """Create ``rel`` holding ``data``; raise FileExistsError if it already exists."""
+        """Create ``rel`` holding ``data``; raise FileExistsError if it already exists.
+
+        A create whose answer was lost may be retried (by :meth:`retrying`, or inside the
+        client, as botocore does) and then find the file it wrote itself: a file there
+        holding exactly ``data`` is taken as ours.  Callers make ``data`` unique to the
+        writer (the lease's owner token, ``COMMITTED``'s manifest digest and time).
+        """
         faults.check("storage.marker", path=rel)
         full = self.full_path(rel)
-        attempts = 0
 
         def once() -> None:
-            nonlocal attempts
-            attempts += 1
             try:
                 self._create_once(full, data)
             except FileExistsError:
-                # an attempt whose answer was lost may have created it: ours if the bytes match
-                if attempts > 1 and self._read_quietly(full) == data:
+                if self._read_quietly(full) == data:
                     return
                 raise
 
-        self.retrying(f"create {rel}", once)
+        self.retrying("create", rel, once)
 
     def _create_once(self, full: str, data: bytes) -> None:
         """One exclusive create: here a check, then a PUT (see the module doc)."""
@@ -199,7 +212,7 @@ class Storage:
     # ---- reads --------------------------------------------------------------------------
 
     def read_bytes(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
-        return self.retrying(f"read {rel}", lambda: self._read_once(rel, start, end))
+        return self.retrying("read", rel, lambda: self._read_once(rel, start, end))
 
     def _read_once(self, rel: str, start: int | None, end: int | None) -> bytes:
         full = self.full_path(rel)
@@ -217,7 +230,7 @@ class Storage:
         byte received, so bytes once in place are not read again.
         """
         progress = Received()
-        return self.retrying(f"read {rel}", lambda: self._read_into_once(rel, out, progress))
+        return self.retrying("read", rel, lambda: self._read_into_once(rel, out, progress))
 
     def _read_into_once(self, rel: str, out: memoryview, progress: Received) -> int:
         with self.open_read(rel) as f:
@@ -261,7 +274,7 @@ class Storage:
             self.fs.invalidate_cache(full)
             return self.fs.exists(full)
 
-        return self.retrying(f"exists {rel}", once)
+        return self.retrying("exists", rel, once)
 
     def size(self, rel: str) -> int:
         full = self.full_path(rel)
@@ -270,7 +283,7 @@ class Storage:
             self.fs.invalidate_cache(full)
             return int(self.fs.info(full)["size"])
 
-        return self.retrying(f"stat {rel}", once)
+        return self.retrying("stat", rel, once)
 
     def list_dir(self, rel: str = "") -> list[str]:
         """Names of the immediate children of ``rel``; empty if it does not exist."""
@@ -284,7 +297,7 @@ class Storage:
                 return []
             return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
 
-        return self.retrying(f"list {rel or '/'}", once)
+        return self.retrying("list", rel, once)
 
     def _find(self, rel: str) -> dict[str, dict[str, Any]]:
         """fsspec ``find`` below ``rel`` with details (fresh on object stores); {} if absent."""
@@ -297,7 +310,7 @@ class Storage:
             except FileNotFoundError:
                 return {}
 
-        return self.retrying(f"list {rel or '/'}", once)
+        return self.retrying("list", rel, once)
 
     def _forget_listing(self, full: str) -> None:
         """Drop fsspec's cached listing of ``full`` (object stores cache them)."""
@@ -338,7 +351,7 @@ class Storage:
             except FileNotFoundError:
                 pass
 
-        self.retrying(f"delete {rel}", once)
+        self.retrying("delete", rel, once)
 
     def delete_tree(self, rel: str) -> None:
         """Delete ``rel`` and everything below it; missing is not an error."""
@@ -352,7 +365,7 @@ class Storage:
             except FileNotFoundError:
                 pass
 
-        self.retrying(f"delete {rel}", once)
+        self.retrying("delete", rel, once)
 
 
 class Received:

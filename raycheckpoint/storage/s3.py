@@ -3,7 +3,11 @@
 No renames (S3's rename is a copy and a delete): a pointer (``LATEST``, the catalog, a
 tag) is replaced by one PUT, which S3 makes visible whole; an exclusive create
 (``COMMITTED``, the lease) is one conditional PUT (``If-None-Match: *``), which the
-store refuses with 412 when the key exists.  A file's whole body is streamed into the
+store refuses with 412 when the key exists: recognised by the answer's code or status
+(:func:`~raycheckpoint.storage.retry.is_precondition_failed`), since servers differ in
+what else they send (Ceph's RADOS Gateway: no ``Condition``, an empty message).  An
+error raised to the caller names the operation, the object's URL and the answer's
+status (:meth:`S3Storage._failure`).  A file's whole body is streamed into the
 caller's buffer (:meth:`S3Storage.read_into`), a retry asking for the bytes not received.
 """
 
@@ -16,7 +20,10 @@ from fsspec.asyn import sync
 
 from raycheckpoint.storage import base
 from raycheckpoint.storage.base import Received, Storage
+from raycheckpoint.storage.retry import http_answer, is_precondition_failed
 from raycheckpoint.storage.spec import Capabilities
+
+_ERRNO = {FileNotFoundError: errno.ENOENT, PermissionError: errno.EACCES}
 
 
 class S3Storage(Storage):
@@ -30,16 +37,39 @@ class S3Storage(Storage):
         except FileExistsError:
             raise
         except OSError as e:
-            if "PreconditionFailed" in repr(e) or "412" in repr(e):
-                raise FileExistsError(full) from e
+            if is_precondition_failed(e):  # final: the key exists (ours, if a retry)
+                raise FileExistsError(errno.EEXIST, f"s3://{full} exists (HTTP 412 to a "
+                                      "conditional PUT)") from e
             raise
+
+    def _failure(self, op: str, rel: str, e: Exception) -> Exception:
+        """``e`` reworded to name the operation, the object and the store's answer: s3fs's
+        message is the server's, which some servers leave empty ("PermissionError:
+        None"), or only the key.  Same type and errno, so callers' ``except
+        FileNotFoundError`` still hold; an error no server answered keeps its own words
+        and gets a note naming the operation."""
+        answer = http_answer(e)
+        if isinstance(e, FileExistsError) or not isinstance(e, OSError):
+            answer = None
+        elif answer is None and isinstance(e, FileNotFoundError):
+            answer = "not found (HTTP 404)"  # s3fs's own answer to a 404 HEAD
+        if answer is None:
+            e.add_note(f"S3 {op} {self.url(rel)}")
+            return e
+        text = f"S3 {op} {self.url(rel)} failed: {answer}"
+        code = e.errno if e.errno is not None else _ERRNO.get(type(e), errno.EIO)
+        try:
+            failure = type(e)(code, text)
+        except TypeError:  # an OSError subclass with a constructor of its own
+            failure = OSError(code, text)
+        failure.__notes__ = list(getattr(e, "__notes__", []))
+        return failure
 
     def _read_into_once(self, rel: str, out: memoryview, progress: Received) -> int:
         """A GET whose body streams into ``out``: for a 60 MB object against a local S3
         server 90 ms, where ``cat_file`` (which gathers the body into one ``bytes``) took
         370 ms and ``open().readinto`` in 8 MB pieces 250 ms."""
         return sync(self.fs.loop, _read_into, self.fs, self.full_path(rel), out, progress)
-
 
 async def _read_into(fs: Any, full: str, out: memoryview, progress: Received) -> int:
     """A GET of ``full`` (s3fs), its body streamed into ``out``; see

@@ -159,7 +159,7 @@ class HashingStorageWriter(StorageWriter):
 
         # the staged tensors stay in host memory until the commit: a failed upload is
         # written again from the start
-        results, entry = self.storage.retrying(f"write {rel}", write_file)
+        results, entry = self.storage.retrying("write", rel, write_file)
         self.written.append(entry)
         return results
 
