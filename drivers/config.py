@@ -112,3 +112,10 @@ def from_mapping(config: dict[str, Any]) -> dict[str, Any]:
 
 def section(options: dict[str, Any], prefix: str) -> dict[str, Any]:
     return {k[len(prefix):]: v for k, v in options.items() if k.startswith(prefix)}
+
+
+def storage_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``trainer.storage_options`` as a dict (given as JSON text or a mapping): what every
+    fsspec call of the job passes, for the checkpoint root, the dataset and the metrics."""
+    so = options["trainer.storage_options"]
+    return json.loads(so) if isinstance(so, str) else dict(so or {})

@@ -27,7 +27,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from drivers import algos, data
 from drivers._ray import init_ray
-from drivers.config import from_mapping, parse_overrides, section
+from drivers.config import from_mapping, parse_overrides, section, storage_options
 from raycheckpoint import (
     CheckpointConfig,
     CheckpointManager,
@@ -115,6 +115,11 @@ def fingerprint(opts: dict[str, Any], data_sha: int, rows: int) -> dict[str, Any
     return fp
 
 
+def dataset_args(opts: dict[str, Any]) -> dict[str, int]:
+    return {"num_prompts": opts["data.num_prompts"], "num_targets": opts["data.num_targets"],
+            "seed": opts["data.seed"]}
+
+
 def roles_of(opts: dict[str, Any]) -> list[str]:
     return ["actor", "reference", "reward", "rollout"] + (
         ["critic"] if opts["algorithm.adv_estimator"] == "gae" else [])
@@ -131,16 +136,10 @@ def job_description(config: dict[str, Any]) -> dict[str, Any]:
 
     opts = from_mapping(config)
     root = str(opts["trainer.default_local_dir"]).rstrip("/")
-    so = opts["trainer.storage_options"]
-    storage_options = json.loads(so) if isinstance(so, str) else dict(so or {})
     path = opts["data.train_files"] or f"{root}/data/train.jsonl"
-    fs, fpath = fsspec.core.url_to_fs(path, **storage_options)
     with tempfile.TemporaryDirectory() as tmp:
-        if not fs.exists(fpath):
-            path = f"{tmp}/train.jsonl"
-            data.generate(path, num_prompts=opts["data.num_prompts"],
-                          num_targets=opts["data.num_targets"], seed=opts["data.seed"])
-        rows, sha = data.load(path)
+        rows, sha = data.load_or_generate(path, storage_options(opts), **dataset_args(opts),
+                                          scratch=tmp)
     world = opts["trainer.n_gpus_per_node"] * opts["trainer.nnodes"]
     return {"config_fingerprint": fingerprint(opts, sha, len(rows)),
             "world_sizes": dict.fromkeys(roles_of(opts), world),
@@ -171,8 +170,7 @@ class Trainer:
     def __init__(self, opts: dict[str, Any]) -> None:
         self.opts = opts
         self.root = str(opts["trainer.default_local_dir"]).rstrip("/")
-        so = opts["trainer.storage_options"]
-        self.storage_options = json.loads(so) if isinstance(so, str) else dict(so or {})
+        self.storage_options = storage_options(opts)
         self.world = opts["trainer.n_gpus_per_node"] * opts["trainer.nnodes"]
         self.n = opts["actor_rollout_ref.rollout.n"]
         self.batch_size = opts["data.train_batch_size"]
@@ -180,11 +178,8 @@ class Trainer:
             raise SystemExit(f"error: data.train_batch_size={self.batch_size} must be a multiple "
                              f"of the world size {self.world}")
         self.data_path = opts["data.train_files"] or f"{self.root}/data/train.jsonl"
-        fs, path = fsspec.core.url_to_fs(self.data_path, **self.storage_options)
-        if not fs.exists(path):
-            data.generate(self.data_path, num_prompts=opts["data.num_prompts"],
-                          num_targets=opts["data.num_targets"], seed=opts["data.seed"])
-        self.rows, data_sha = data.load(self.data_path)
+        self.rows, data_sha = data.load_or_generate(self.data_path, self.storage_options,
+                                                    **dataset_args(opts))
         ck = {"save_dir": self.root, "storage_options": self.storage_options,
               "save_full_interval": opts["trainer.save_freq"] if opts["trainer.save_freq"] > 0 else None,
               "resume_mode": opts["trainer.resume_mode"], "resume_from": opts["trainer.resume_from_path"],

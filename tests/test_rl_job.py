@@ -233,3 +233,30 @@ def test_latency_bench_runs_as_a_ray_job(ray_head, tmp_path):
     assert set(results["methods"]) == {"raycheckpoint", "dcp_async_stager"}
     assert results["methods"]["raycheckpoint"]["durable_s"] > 0
     assert (out / "plot.png").exists()
+
+
+@pytest.mark.s3
+def test_a_job_on_s3_reaches_it_only_through_its_storage_options(ray_head, s3_root):
+    """Checkpoints, dataset and metrics on S3, the credentials only in
+    ``trainer.storage_options`` (none in the job's environment): saves, verifies, resumes."""
+    import fsspec
+
+    from raycheckpoint.admin import verify
+
+    uri, options = s3_root
+    assert not any(k.startswith("AWS_ACCESS") for k in ray_head["env"])
+    common = [f"trainer.default_local_dir={uri}", f"trainer.storage_options={json.dumps(options)}",
+              "trainer.save_freq=2"]
+    first = submit(ray_head, [*common, "trainer.total_training_steps=4"])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    doc = verify(uri, options)
+    assert doc["ok"] and [c["name"] for c in doc["checkpoints"]] == ["step_00000002",
+                                                                      "step_00000004"]
+    resumed = submit(ray_head, [*common, "trainer.total_training_steps=6",
+                                "trainer.resume_mode=auto"])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from step_00000004" in resumed.stdout
+    fs, root = fsspec.core.url_to_fs(uri, **options)
+    assert fs.exists(f"{root}/data/train.jsonl")
+    steps = [json.loads(line)["step"] for line in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
