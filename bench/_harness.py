@@ -131,8 +131,8 @@ class BenchStorage:
             uri = self._tmp
         elif uri.startswith("moto://"):
             self._server = MotoProcess()
-            self.options = {"endpoint_url": self._server.endpoint, "key": "bench",
-                            "secret": "bench", **self.options}
+            self.options = {"endpoint_url": self._server.endpoint, "key": uuid.uuid4().hex[:20],
+                            "secret": uuid.uuid4().hex, **self.options}
             os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
             fs = fsspec.filesystem("s3", **self.options)
             fs.mkdir("bench")

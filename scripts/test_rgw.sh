@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The S3 tests against a second, real S3 server: Ceph's RADOS Gateway on 127.0.0.1
+# (tests/rgw.py: one monitor, one in-memory OSD, radosgw; all ended by PID afterwards),
+# inside the same private network namespace as the other tests.  Extra arguments go to
+# pytest; by default every test marked s3 runs: the storage contract, save/load,
+# corruption, lease, encryption, the crash matrix's S3 cases, the fault proxy, the CLI,
+# the soak and the whole RL job.  .ci/run calls it after the long tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh test
+have_ceph() {
+  .venv/bin/python -c "import sys; from tests.rgw import missing_binaries; sys.exit(bool(missing_binaries()))"
+}
+# Debian's radosgw, ceph-mon and ceph-osd (Ceph 16, ~200 MB); services are not started
+# by the install (policy-rc.d)
+if ! have_ceph && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  policy=/usr/sbin/policy-rc.d
+  added_policy=
+  if [ ! -e "$policy" ]; then printf '#!/bin/sh\nexit 101\n' > "$policy"; chmod +x "$policy"; added_policy=1; fi
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends radosgw ceph-mon ceph-osd; } > /tmp/raycheckpoint-apt-ceph.log 2>&1 \
+    || echo "note: could not install radosgw ceph-mon ceph-osd (see /tmp/raycheckpoint-apt-ceph.log)" >&2
+  if [ -n "$added_policy" ]; then rm -f "$policy"; fi
+fi
+if ! have_ceph; then
+  echo "SKIPPED: the S3 tests against Ceph's RADOS Gateway: radosgw, ceph-mon or ceph-osd is" \
+       "missing and could not be installed (Debian packages; needs root and apt-get)"
+  exit 0
+fi
+args=("$@")
+if [ ${#args[@]} -eq 0 ]; then args=(-m s3); fi
+exec bash scripts/isolated.sh .venv/bin/python -m tests.rgw -- \
+  .venv/bin/python -m pytest -p no:cacheprovider "${args[@]}"
