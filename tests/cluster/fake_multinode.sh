@@ -14,8 +14,10 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 ip link set lo up
 export HOME="$WORK/home"; mkdir -p "$HOME"
 cd "$REPO"
+source "$REPO/tests/cluster/end_processes.sh"
 RAY_TMP=$(mktemp -d /tmp/rcfake.XXXXXX)  # short: Ray's socket paths must fit in 107 bytes
-trap 'rm -rf "$RAY_TMP"' EXIT
+# Ray's processes write into RAY_TMP until they end: end them (by PID), then remove it
+trap 'end_processes; rm -rf "$RAY_TMP"' EXIT
 RAY_FAKE_CLUSTER=1 ray start --head --node-ip-address=127.0.0.1 --port=6379 \
   --dashboard-host=127.0.0.1 --autoscaling-config=deploy/cluster-fake.yaml \
   --temp-dir="$RAY_TMP" > "$WORK/start.log" 2>&1 || { tail -30 "$WORK/start.log"; exit 1; }
@@ -40,6 +42,5 @@ ray job submit --address http://127.0.0.1:8265 -- python -m bench.save_latency -
   --worker-resources '{"trainer_slot": 1}' --placement-strategy STRICT_SPREAD \
   --storage "$WORK/bench" > "$WORK/bench.log" 2>&1 || { tail -60 "$WORK/bench.log"; exit 1; }
 grep -E "^== 2 ranks" "$WORK/bench.log" || true
-# no `ray stop`: this script is PID 1 of its namespace, and everything the head and the
-# autoscaler started ends with it
+# no `ray stop`: the EXIT trap ends what this script started, by PID, in its own namespace
 echo "== done"

@@ -10,6 +10,8 @@ set -euo pipefail
 WORK=$1; CONFIG=$2
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 VENV_BIN=$(dirname "$(command -v python)")
+source "$REPO/tests/cluster/end_processes.sh"
+trap end_processes EXIT  # what `ray down` left (agents, workers) ends before WORK is removed
 ip link set lo up
 export HOME="$WORK/home"
 mkdir -p "$HOME/.ssh" "$WORK/tmp-ray" "$WORK/ssh" /tmp/ray /run/sshd
