@@ -7,13 +7,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 # the cluster tests bring a Ray cluster up with `ray up` over ssh to 127.0.0.1: they need
 # sshd and rsync (Debian packages); services are not started by the install (policy-rc.d)
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
-    && { [ ! -x /usr/sbin/sshd ] || ! command -v rsync >/dev/null; }; then
-  policy=/usr/sbin/policy-rc.d
-  added_policy=
-  if [ ! -e "$policy" ]; then printf '#!/bin/sh\nexit 101\n' > "$policy"; chmod +x "$policy"; added_policy=1; fi
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server rsync; } \
-    > /tmp/raycheckpoint-apt.log 2>&1 || echo "note: could not install openssh-server/rsync; cluster tests will skip" >&2
-  if [ -n "$added_policy" ]; then rm -f "$policy"; fi
+if [ ! -x /usr/sbin/sshd ] || ! command -v rsync >/dev/null; then
+  bash scripts/apt_install.sh /tmp/raycheckpoint-apt.log openssh-server rsync \
+    || echo "note: could not install openssh-server/rsync; cluster tests will skip" >&2
 fi
 bash scripts/isolated.sh .venv/bin/python -m pytest "$@"

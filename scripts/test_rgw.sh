@@ -11,16 +11,10 @@ bash scripts/setup.sh test
 have_ceph() {
   .venv/bin/python -c "import sys; from tests.rgw import missing_binaries; sys.exit(bool(missing_binaries()))"
 }
-# Debian's radosgw, ceph-mon and ceph-osd (Ceph 16, ~200 MB); services are not started
-# by the install (policy-rc.d)
-if ! have_ceph && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  policy=/usr/sbin/policy-rc.d
-  added_policy=
-  if [ ! -e "$policy" ]; then printf '#!/bin/sh\nexit 101\n' > "$policy"; chmod +x "$policy"; added_policy=1; fi
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-      --no-install-recommends radosgw ceph-mon ceph-osd; } > /tmp/raycheckpoint-apt-ceph.log 2>&1 \
+# Debian's radosgw, ceph-mon and ceph-osd (Ceph 16, ~200 MB)
+if ! have_ceph; then
+  bash scripts/apt_install.sh /tmp/raycheckpoint-apt-ceph.log radosgw ceph-mon ceph-osd \
     || echo "note: could not install radosgw ceph-mon ceph-osd (see /tmp/raycheckpoint-apt-ceph.log)" >&2
-  if [ -n "$added_policy" ]; then rm -f "$policy"; fi
 fi
 if ! have_ceph; then
   echo "SKIPPED: the S3 tests against Ceph's RADOS Gateway: radosgw, ceph-mon or ceph-osd is" \

@@ -29,10 +29,6 @@ RPC_TIMEOUT = 120
 BUCKET = "ckpt"
 
 
-def s3_options(endpoint: str, key: str, secret: str) -> dict:
-    return {"endpoint_url": endpoint, "key": key, "secret": secret}
-
-
 @pytest.fixture(scope="session")
 def s3_server():
     """``{"endpoint", "options", "kind"}`` of the session's S3 server, bucket ``ckpt`` in it."""
@@ -58,7 +54,8 @@ def s3_server():
     from tests.helpers import REPORTS
 
     REPORTS.append(f"S3 server: {kind} at {endpoint}")
-    yield {"endpoint": endpoint, "options": s3_options(endpoint, key, secret), "kind": kind}
+    options = {"endpoint_url": endpoint, "key": key, "secret": secret}
+    yield {"endpoint": endpoint, "options": options, "kind": kind}
     if server is not None:
         server.stop()
 

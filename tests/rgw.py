@@ -82,8 +82,9 @@ class RadosGateway:
         for sub in ("mon/ceph-a", "osd/ceph-0", "run", "log", "rgw"):
             (d / sub).mkdir(parents=True)
         self.mon_port = _free_port()
+        self.fsid = str(uuid.uuid4())
         self.conf.write_text(f"""[global]
-fsid = {uuid.uuid4()}
+fsid = {self.fsid}
 mon_host = [v2:127.0.0.1:{self.mon_port}]
 ms_bind_ipv4 = true
 ms_bind_ipv6 = false
@@ -122,7 +123,7 @@ rgw_dns_name = 127.0.0.1
     def _start_mon(self) -> None:
         monmap = self.dir / "monmap"
         self._run("monmaptool", "--create", "--addv", "a", f"[v2:127.0.0.1:{self.mon_port}]",
-                  "--fsid", self._fsid(), str(monmap), conf=False)
+                  "--fsid", self.fsid, str(monmap), conf=False)
         self._run("ceph-mon", "--mkfs", "-i", "a", "--monmap", str(monmap))
         self._spawn("ceph-mon", "-f", "-i", "a")
         self._until(lambda: self._ok("ceph", "mon", "stat"), "the monitor to answer")
@@ -148,12 +149,6 @@ rgw_dns_name = 127.0.0.1
         self._until(answers, "radosgw to answer HTTP")
 
     # ---- helpers ------------------------------------------------------------------------
-
-    def _fsid(self) -> str:
-        for line in self.conf.read_text().splitlines():
-            if line.startswith("fsid = "):
-                return line.split(" = ", 1)[1]
-        raise AssertionError("no fsid in ceph.conf")
 
     def _args(self, cmd: str, args: tuple[str, ...], conf: bool) -> list[str]:
         return [cmd, *(["-c", str(self.conf)] if conf else []), *args]
