@@ -144,18 +144,13 @@ class FaultProxy:
             r = self._rng.random()
             if self._script:
                 action = self._script.pop(0)
-            elif r < self.fail:
-                action = "fail"
-            elif r < self.fail + self.drop:
-                action = "drop"
-            elif r < self.fail + self.drop + self.slow:
-                action = "slow"
-            elif r < self.fail + self.drop + self.slow + self.cut:
-                action = "cut"
-            elif r < self.fail + self.drop + self.slow + self.cut + self.lose:
-                action = "lose"
-            else:
-                action = "forward"
+            else:  # each action takes its rate's share of [0, 1); the rest is forwarded
+                action, upto = "forward", 0.0
+                for name in ("fail", "drop", "slow", "cut", "lose"):
+                    upto += getattr(self, name)
+                    if r < upto:
+                        action = name
+                        break
             self.counts[action] += 1
             return action
 

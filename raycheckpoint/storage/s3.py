@@ -71,6 +71,7 @@ class S3Storage(Storage):
         370 ms and ``open().readinto`` in 8 MB pieces 250 ms."""
         return sync(self.fs.loop, _read_into, self.fs, self.full_path(rel), out, progress)
 
+
 async def _read_into(fs: Any, full: str, out: memoryview, progress: Received) -> int:
     """A GET of ``full`` (s3fs), its body streamed into ``out``; see
     :meth:`Storage.read_into <raycheckpoint.storage.base.Storage.read_into>`.
