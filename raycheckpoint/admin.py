@@ -95,6 +95,7 @@ def list_root(storage: Storage, now: float | None = None) -> dict[str, Any]:
     markers, uncommitted, corrupt = catalog.scan_all(storage)
     latest = catalog.read_latest(storage)
     tags = catalog.read_tags(storage)
+    verified = catalog.read_verification(storage)
     by_target: dict[str, list[str]] = {}
     for t, target in sorted(tags.items()):
         by_target.setdefault(target, []).append(t)
@@ -103,7 +104,8 @@ def list_root(storage: Storage, now: float | None = None) -> dict[str, Any]:
         rows.append({"name": m.name, "step": m.step, "kind": m.kind, "state": "committed",
                      "tags": by_target.get(m.name, []), "metrics": dict(m.metrics),
                      "bytes": m.bytes, "committed_at": m.committed_at,
-                     "age_s": max(0.0, now - m.committed_at), "latest": m.name == latest})
+                     "age_s": max(0.0, now - m.committed_at), "latest": m.name == latest,
+                     "verified": verified.get(m.name)})
     for name in uncommitted:
         files = storage.list_files(name)
         modified = storage.modified(name)
@@ -212,7 +214,8 @@ def verify(ref: str, options: dict[str, Any] | None = None, *, step: int | None 
             problems.append(f"LATEST points to {have}, the newest committed full checkpoint is "
                             f"{want} (`raycheckpoint gc` repairs it)")
         doc = catalog.read_catalog(storage)
-        if doc != catalog.catalog_doc(markers, catalog.read_tags(storage)):
+        if doc != catalog.catalog_doc(markers, catalog.read_tags(storage),
+                                      catalog.read_verification(storage)):
             problems.append(f"{CATALOG} is stale or unreadable (`raycheckpoint gc` rebuilds it)")
     ok = all(r["ok"] for r in results)
     return {"root": storage.url(), "ok": ok, "checkpoints": results, "problems": problems}
@@ -259,8 +262,9 @@ def gc(root: str, options: dict[str, Any] | None = None, *, dry_run: bool = Fals
 # ---- tags -------------------------------------------------------------------------------------
 
 def _rewrite_catalog(storage: Storage) -> None:
-    markers, _ = catalog.scan(storage)
-    catalog.write_catalog(storage, markers, catalog.read_tags(storage))
+    root = RootState(storage)
+    root.sync()
+    root.write_catalog()
 
 
 def tag(ref: str, name: str, options: dict[str, Any] | None = None, *, step: int | None = None,

@@ -198,7 +198,15 @@ def test_gc_applies_the_jobs_rules_and_collects_old_leftovers(root, capsys):
     assert code == 0 and doc["dry_run"] and doc["rules"]["keep_last_n"] == 1
     assert doc["deleted"] == ["step_00000002"] and doc["collected"] == ["step_00000001"]
     assert doc["kept_recent"] == ["step_00000005"]
+    assert doc["kept"]["step_00000004"] == ["LATEST points here",
+                                            "the newest full checkpoint (always kept)",
+                                            "one of the newest 1 full (keep_last_n=1)"]
+    assert doc["kept"]["step_00000003"] == [
+        "one of the newest 3 light (keep_last_n_light default=3)"]
     assert os.path.exists(f"{root}/step_00000002/COMMITTED") and os.path.exists(old)
+    code, out, _ = run(capsys, "gc", root, "--dry-run", "--keep-last-n", "1")
+    assert code == 0 and "would delete by retention: step_00000002" in out
+    assert "kept step_00000003: one of the newest 3 light" in out
 
     code, doc = run_json(capsys, "gc", root)  # the job's own rules (keep_last_n=3): nothing
     assert code == 0 and doc["rules_source"] == "recorded by the job" and doc["deleted"] == []

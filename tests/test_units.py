@@ -18,7 +18,7 @@ from raycheckpoint import (
     capture_rng,
     restore_rng,
 )
-from raycheckpoint.policy.retention import RetentionPolicy
+from raycheckpoint.policy.retention import DEFAULT_KEEP_LAST_N_LIGHT, RetentionPolicy
 from raycheckpoint.protocol.checkpoint import check_version
 from raycheckpoint.protocol.format import Manifest, Marker, RoleLayout
 from raycheckpoint.protocol.paths import parse_step_dir, step_dir_name, validate_tag
@@ -97,11 +97,47 @@ def test_retention_rules():
     doomed = p.to_delete(entries, protected={"f20"})
     # f50, f40 newest; f10 best; f20 protected (tag); l35 newest light
     assert doomed == ["l5", "l15", "l25", "f30"]  # oldest first
-    # nothing governed -> nothing deleted
-    assert RetentionPolicy().to_delete(entries, protected=set()) == []
+    # no rule: every full checkpoint kept; light ones bounded by the default
+    assert RetentionPolicy().to_delete(entries, protected=set()) == ["l5"]
+    assert DEFAULT_KEEP_LAST_N_LIGHT == 3
+    # keep_best_n alone governs full checkpoints: the best, the newest and the protected stay
+    assert RetentionPolicy(keep_best_n=2).to_delete(entries[:5], protected={"f20"}) == ["f30", "f40"]
     # min mode keeps the lowest
     p = RetentionPolicy(keep_last_n=1, keep_best_n=1, best_mode="min")
     assert "f20" not in p.to_delete(entries, protected=set())
+
+
+def test_retention_explains_why_each_checkpoint_is_kept():
+    entries = [_entry(f"f{s}", s, "full", reward=r) for s, r in [(10, 0.9), (20, 0.1), (30, 0.2)]]
+    entries.append(_entry("l25", 25, "light"))
+    why = RetentionPolicy(keep_last_n=1, keep_best_n=1).explain(
+        entries, protected={"f20": "tag 'ok' points here"})
+    assert why["f10"] == ["one of the 1 best by reward (max; keep_best_n=1)"]
+    assert why["f20"] == ["tag 'ok' points here"]
+    assert why["f30"] == ["the newest full checkpoint (always kept)",
+                          "one of the newest 1 full (keep_last_n=1)"]
+    assert why["l25"] == ["one of the newest 3 light (keep_last_n_light default=3)"]
+    assert RetentionPolicy().explain(entries[:1], protected={})["f10"] == [
+        "the newest full checkpoint (always kept)"]
+
+
+def test_retention_with_the_seeds_config_is_bounded():
+    # seed 000: {"keep_last_n": 3, "keep_best_n": 5}, a light save every step, a full one
+    # every 10th; 100 saves with a rising, noisy reward
+    entries = [_entry(f"s{s}", s, "full" if s % 10 == 0 else "light",
+                      reward=(s % 7) + s / 100, t=float(s)) for s in range(1, 101)]
+    p = RetentionPolicy.from_config(CheckpointConfig.from_dict(
+        {"save_dir": "/x", "save_interval": 1, "save_full_interval": 10, "keep_last_n": 3,
+         "keep_best_n": 5}))
+    kept = {e["name"] for e in entries} - set(p.to_delete(entries, protected=set()))
+    assert len(kept) <= 3 + 5 + DEFAULT_KEEP_LAST_N_LIGHT, sorted(kept)
+    assert {"s100", "s90", "s80"} <= kept
+    # seed 000's integration example, unchanged
+    cfg = CheckpointConfig.from_dict({"save_dir": "/path/to/checkpoints", "save_interval": 200,
+                                      "save_full_interval": 1000, "keep_last_n": 2,
+                                      "keep_best_n": 3, "save_on_train_end": True})
+    assert (cfg.save_interval, cfg.save_full_interval, cfg.keep_last_n, cfg.keep_best_n) == (
+        200, 1000, 2, 3)
 
 
 def test_retention_always_keeps_newest_full():

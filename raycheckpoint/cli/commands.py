@@ -36,14 +36,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         out.print(f"no checkpoints under {doc['root']}")
         return EXIT_OK
     table = Table(title=f"{doc['root']}  (LATEST -> {doc['latest'] or 'none'})", title_justify="left")
-    for col in ("step", "name", "kind", "tags", "metrics", "size", "age", "state"):
+    for col in ("step", "name", "kind", "tags", "metrics", "size", "age", "state", "verified"):
         table.add_column(col, justify="right" if col in ("step", "size", "age") else "left")
+    now = time.time()
     for r in doc["checkpoints"]:
         state = r["state"] + (" LATEST" if r["latest"] else "")
         style = "yellow" if r["state"] != "committed" else ("bold" if r["latest"] else None)
         table.add_row(str(r["step"]), r["name"], r["kind"] or "-", ",".join(r["tags"]) or "-",
                       metrics_text(r["metrics"]) or "-", human_bytes(r["bytes"]),
-                      human_age(r["age_s"]), state, style=style)
+                      human_age(r["age_s"]), state, verified_text(r.get("verified"), now),
+                      style="red" if (r.get("verified") or {}).get("ok") is False else style)
     out.print(table)
     lease = doc["lease"]
     if lease is not None:
@@ -52,6 +54,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for t, target in sorted(doc["dangling_tags"].items()):
         out.print(f"[yellow]tag {t} points to {target}, which is not committed[/yellow]")
     return EXIT_OK
+
+
+def verified_text(record: dict[str, Any] | None, now: float) -> str:
+    """``verified 3m ago`` / ``FAILED 3m ago: <error>`` / ``-`` for a verification record."""
+    if not record:
+        return "-"
+    age = human_age(max(0.0, now - record.get("verified_at", now)))
+    if record.get("ok"):
+        return f"verified {age} ago"
+    return f"FAILED {age} ago: {record.get('error', '?')}"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -144,9 +156,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     verb = "would delete" if args.dry_run else "deleted"
     rules = {k: v for k, v in doc["rules"].items() if v is not None}
     out.print(f"retention rules ({doc['rules_source']}): "
-                  + (", ".join(f"{k}={v}" for k, v in sorted(rules.items())) or "none (nothing is "
-                     "governed; pass --keep-last-n / --keep-last-n-light)"))
+                  + (", ".join(f"{k}={v}" for k, v in sorted(rules.items())) or "none (every full "
+                     "checkpoint is kept; pass --keep-last-n / --keep-best-n)"))
     out.print(f"{verb} by retention: {', '.join(doc['deleted']) or 'nothing'}")
+    for name, why in sorted(doc["kept"].items()):
+        if name not in doc["deleted"]:
+            out.print(f"kept {name}: {'; '.join(why)}")
     out.print(f"{verb} as leftovers of failed saves: {', '.join(doc['collected']) or 'nothing'}")
     if doc["kept_recent"]:
         out.print(f"kept (written within {doc['leftover_grace_s']:.0f}s, a save may be in "

@@ -10,12 +10,17 @@ A policy looks at the catalog entries (dicts of
 :class:`~raycheckpoint.protocol.format.Marker` fields) and returns the names it keeps.
 A checkpoint is deleted only when
 
-* it is governed (its kind has a ``keep_last_n`` limit), and
+* it is governed: a full one when ``keep_last_n`` or ``keep_best_n`` is set, a light one
+  always (``keep_last_n_light`` defaults to :data:`DEFAULT_KEEP_LAST_N_LIGHT`: light
+  checkpoints are frequent and superseded by the next, so they are bounded even when
+  no rule names them), and
 * no policy keeps it, and
-* it is not protected: ``LATEST`` points at it, a tag points at it, or a save for it
-  is in flight.
+* it is not protected: ``LATEST`` points at it, a tag points at it, it is the newest
+  checkpoint whose background verification passed, or a save for it is in flight.
 
-The newest committed full checkpoint is always kept.  Collection writes the catalog
+The newest committed full checkpoint is always kept.  :meth:`RetentionPolicy.explain`
+says, for every checkpoint, which rules keep it (what ``raycheckpoint gc --dry-run``
+prints).  Collection writes the catalog
 without the doomed entries *before* deleting anything
 (:mod:`raycheckpoint.protocol.collect`).
 """
@@ -30,13 +35,16 @@ from typing import Any, Literal
 Entry = dict[str, Any]
 BestMode = Literal["max", "min"]
 
+# light checkpoints kept when no keep_last_n_light is given
+DEFAULT_KEEP_LAST_N_LIGHT = 3
+
 
 @dataclass(frozen=True, kw_only=True)
 class RetentionRules:
     """The retention options, validated: which committed checkpoints a job keeps."""
 
     keep_last_n: int | None = None  # full checkpoints
-    keep_last_n_light: int | None = None
+    keep_last_n_light: int | None = None  # None: DEFAULT_KEEP_LAST_N_LIGHT
     keep_best_n: int | None = None
     best_metric: str = "reward"
     best_mode: BestMode = "max"
@@ -70,6 +78,11 @@ class LatestN:
     kind: str
     n: int
 
+    rule: str = "keep_last_n"
+
+    def describe(self) -> str:
+        return f"one of the newest {self.n} {self.kind} ({self.rule}={self.n})"
+
     def keep(self, entries: Sequence[Entry]) -> set[str]:
         return {e["name"] for e in _newest_first(e for e in entries if e["kind"] == self.kind)[:self.n]}
 
@@ -81,6 +94,9 @@ class BestN:
     metric: str
     mode: str
     n: int
+
+    def describe(self) -> str:
+        return f"one of the {self.n} best by {self.metric} ({self.mode}; keep_best_n={self.n})"
 
     def keep(self, entries: Sequence[Entry]) -> set[str]:
         scored = []
@@ -96,6 +112,9 @@ class BestN:
 class NewestFull:
     """Always keep the newest committed full checkpoint: the one a crash resumes from."""
 
+    def describe(self) -> str:
+        return "the newest full checkpoint (always kept)"
+
     def keep(self, entries: Sequence[Entry]) -> set[str]:
         full = _newest_first(e for e in entries if e["kind"] == "full")
         return {full[0]["name"]} if full else set()
@@ -110,24 +129,47 @@ class RetentionPolicy(RetentionRules):
         """The policy of a config (anything with the retention options)."""
         return cls(**config.retention_rules())
 
+    @property
+    def light_limit(self) -> int:
+        return DEFAULT_KEEP_LAST_N_LIGHT if self.keep_last_n_light is None else self.keep_last_n_light
+
     def _policies(self) -> list[Any]:
         policies: list[Any] = [NewestFull()]
         if self.keep_last_n is not None:
             policies.append(LatestN("full", self.keep_last_n))
-        if self.keep_last_n_light is not None:
-            policies.append(LatestN("light", self.keep_last_n_light))
+        policies.append(LatestN("light", self.light_limit, rule="keep_last_n_light"
+                                + ("" if self.keep_last_n_light is not None else " default")))
         if self.keep_best_n is not None:
             policies.append(BestN(self.best_metric, self.best_mode, self.keep_best_n))
         return policies
 
     def _governed(self, kind: str) -> bool:
-        limit = self.keep_last_n if kind == "full" else self.keep_last_n_light
-        return limit is not None
+        if kind == "full":
+            return self.keep_last_n is not None or self.keep_best_n is not None
+        return True
 
-    def to_delete(self, entries: Sequence[Entry], *, protected: set[str]) -> list[str]:
-        """Names of the entries to collect, oldest first."""
-        kept: set[str] = set(protected)
+    def explain(self, entries: Sequence[Entry], *, protected: dict[str, str]) -> dict[str, list[str]]:
+        """Every entry's name -> why it is kept (empty: it is deleted).
+
+        ``protected``: names kept whatever the rules say -> why (``LATEST``, a tag, ...).
+        """
+        reasons: dict[str, list[str]] = {e["name"]: [] for e in entries}
+        for name, why in protected.items():
+            if name in reasons:
+                reasons[name].append(why)
         for policy in self._policies():
-            kept |= policy.keep(entries)
-        doomed = [e for e in entries if e["name"] not in kept and self._governed(e["kind"])]
+            for name in policy.keep(entries):
+                reasons[name].append(policy.describe())
+        for e in entries:
+            if not self._governed(e["kind"]) and not reasons[e["name"]]:
+                reasons[e["name"]].append("no rule limits full checkpoints "
+                                          "(neither keep_last_n nor keep_best_n is set)")
+        return reasons
+
+    def to_delete(self, entries: Sequence[Entry], *, protected: set[str] | dict[str, str]) -> list[str]:
+        """Names of the entries to collect, oldest first."""
+        if not isinstance(protected, dict):
+            protected = dict.fromkeys(protected, "protected")
+        reasons = self.explain(entries, protected=protected)
+        doomed = [e for e in entries if not reasons[e["name"]]]
         return [e["name"] for e in reversed(_newest_first(doomed))]

@@ -1,4 +1,4 @@
-"""What a root holds: committed markers, the catalog cache, LATEST and tags.
+"""What a root holds: committed markers, the catalog cache, LATEST, tags, verifications.
 
 Truth is on storage: the set of step directories holding ``COMMITTED``.
 ``catalog.json`` and ``LATEST`` are caches of it; :func:`scan` reads the markers
@@ -6,6 +6,9 @@ themselves, and :func:`expected_latest` / :func:`catalog_doc` say what the cache
 should hold.  The caches and tag pointers are written here and nowhere else
 (:func:`write_catalog`, :func:`write_latest`, :func:`write_tag`), by the coordinator
 (:mod:`~raycheckpoint.protocol.root`) and by ``raycheckpoint tag`` / ``untag``.
+``verification.json`` holds the results of background verification (checkpoint name
+-> ``{"ok", "verified_at", "error", ...}``); only the coordinator writes it
+(:func:`write_verification`), and the catalog's entries repeat them.
 Readers: the coordinator (recovery, retention), resume (resolving a reference), admin.
 """
 
@@ -21,6 +24,7 @@ from raycheckpoint.protocol.paths import (
     LATEST,
     LATEST_LINK,
     TAGS_DIR,
+    VERIFICATION,
     CheckpointPaths,
     parse_step_dir,
     tag_path,
@@ -107,13 +111,41 @@ def expected_latest(markers: list[Marker]) -> str | None:
     return max(full, key=order_key).name if full else None
 
 
-def catalog_doc(markers: list[Marker], tags: dict[str, str]) -> dict[str, Any]:
+def catalog_doc(markers: list[Marker], tags: dict[str, str],
+                verified: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    entries = []
+    for m in sorted(markers, key=order_key):
+        entry = m.to_catalog_entry()
+        if verified and m.name in verified:
+            entry["verified"] = verified[m.name]
+        entries.append(entry)
     return {
         "format_version": FORMAT_VERSION,
         "latest": expected_latest(markers),
         "tags": dict(sorted(tags.items())),
-        "checkpoints": [m.to_catalog_entry() for m in sorted(markers, key=order_key)],
+        "checkpoints": entries,
     }
+
+
+def read_verification(storage: Storage) -> dict[str, dict[str, Any]]:
+    """Background verification results by checkpoint name ({} when none or unreadable)."""
+    try:
+        doc = json.loads(storage.read_bytes(VERIFICATION))
+    except (FileNotFoundError, ValueError):
+        return {}
+    results = doc.get("checkpoints") if isinstance(doc, dict) else None
+    return {k: v for k, v in (results or {}).items() if isinstance(v, dict)}
+
+
+def write_verification(storage: Storage, results: dict[str, dict[str, Any]]) -> None:
+    storage.write_pointer(VERIFICATION, json_bytes({"format_version": FORMAT_VERSION,
+                                                    "checkpoints": dict(sorted(results.items()))}))
+
+
+def newest_verified(markers: list[Marker], verified: dict[str, dict[str, Any]]) -> str | None:
+    """The newest committed checkpoint whose verification passed."""
+    ok = [m for m in markers if verified.get(m.name, {}).get("ok")]
+    return max(ok, key=order_key).name if ok else None
 
 
 def read_catalog(storage: Storage) -> dict[str, Any] | None:
@@ -125,9 +157,10 @@ def read_catalog(storage: Storage) -> dict[str, Any] | None:
         return None  # a torn or corrupt cache is rebuilt from the markers
 
 
-def write_catalog(storage: Storage, markers: list[Marker], tags: dict[str, str]) -> None:
-    """Replace ``catalog.json`` with the catalog of ``markers`` and ``tags``."""
-    storage.write_pointer(CATALOG, json_bytes(catalog_doc(markers, tags)))
+def write_catalog(storage: Storage, markers: list[Marker], tags: dict[str, str],
+                  verified: dict[str, dict[str, Any]] | None = None) -> None:
+    """Replace ``catalog.json`` with the catalog of ``markers``, ``tags`` and ``verified``."""
+    storage.write_pointer(CATALOG, json_bytes(catalog_doc(markers, tags, verified)))
 
 
 def write_latest(storage: Storage, name: str) -> None:

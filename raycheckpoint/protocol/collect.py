@@ -57,14 +57,15 @@ class Collector:
             if not dry_run:
                 root.write_latest(want_latest)
             report["fixed_latest"] = True
-        if catalog.read_catalog(root.storage) != catalog.catalog_doc(markers, tags):
+        if catalog.read_catalog(root.storage) != root.doc(markers):
             if not dry_run:
-                catalog.write_catalog(root.storage, markers, tags)
+                root.write_catalog(markers)
             report["rebuilt_catalog"] = True
         if not dry_run:  # what collecting deletes leaves the set
             root.unmarked = set(uncommitted) | self.in_flight()
         report["collected"], report["kept_recent"] = self.collect_leftovers(
             uncommitted, dry_run=dry_run, grace_s=grace_s)
+        report["kept"] = {n: why for n, why in self.explain(markers, tags).items() if why}
         report["deleted"] = self.apply_retention(markers, tags, dry_run=dry_run)
         return report
 
@@ -111,16 +112,34 @@ class Collector:
             collected.append(name)
         return collected, recent
 
+    def protected(self, tags: dict[str, str], protect: tuple[str, ...] = ()) -> dict[str, str]:
+        """Checkpoints retention never deletes -> why."""
+        out: dict[str, str] = {}
+        for name in protect:
+            out[name] = "just committed"
+        for name in self.in_flight():
+            out[name] = "a save is in flight"
+        verified = self.root.newest_verified()
+        if verified is not None:
+            out[verified] = "the newest checkpoint that passed background verification"
+        for t, name in sorted(tags.items()):
+            out[name] = f"tag {t!r} points here"
+        latest = catalog.read_latest(self.root.storage)
+        if latest:
+            out[latest] = "LATEST points here"
+        return out
+
+    def explain(self, markers: list[Marker], tags: dict[str, str]) -> dict[str, list[str]]:
+        """Every committed checkpoint -> why retention keeps it (empty: deleted)."""
+        return self.policy.explain([m.to_catalog_entry() for m in markers],
+                                   protected=self.protected(tags))
+
     def apply_retention(self, markers: list[Marker], tags: dict[str, str], *,
                         dry_run: bool = False, protect: tuple[str, ...] = ()) -> list[str]:
         """Delete what the policy does not keep (oldest first); returns the names."""
         root = self.root
         entries = [m.to_catalog_entry() for m in markers]
-        protected = set(tags.values()) | self.in_flight() | set(protect)
-        latest = catalog.read_latest(root.storage)
-        if latest:
-            protected.add(latest)
-        doomed = self.policy.to_delete(entries, protected=protected)
+        doomed = self.policy.to_delete(entries, protected=self.protected(tags, protect))
         if not doomed or dry_run:
             return doomed
         root.check_lease()
@@ -129,7 +148,7 @@ class Collector:
             root.markers.pop(name, None)
         # catalog first: a crash after this leaves committed-but-uncatalogued dirs, which
         # recovery re-adds and retention deletes again (collection is idempotent)
-        catalog.write_catalog(root.storage, kept, tags)
+        root.write_catalog(kept)
         referenced = root.referenced(m.name for m in kept)
         for name in doomed:
             faults.check("coordinator.retention_delete", path=name)

@@ -3,7 +3,7 @@
 Layout of one job root (DESIGN section 3), paths relative to the root as
 :class:`~raycheckpoint.storage.Storage` takes them::
 
-    LEASE  LATEST  latest  catalog.json  tags/<tag>
+    LEASE  LATEST  latest  catalog.json  verification.json  tags/<tag>
     step_00001000/ COMMITTED version.json manifest.msgpack trainer_state.json
                    rng/<role>/rank_<r>.msgpack  <role>/  (DCP directory per role)
                    assets/<role>/<file>  (e.g. a Hugging Face config.json and tokenizer
@@ -22,6 +22,7 @@ LEASE = "LEASE"
 LATEST = "LATEST"
 LATEST_LINK = "latest"
 CATALOG = "catalog.json"
+VERIFICATION = "verification.json"  # background verification results, by checkpoint
 TAGS_DIR = "tags"
 COMMITTED = "COMMITTED"
 VERSION = "version.json"

@@ -39,6 +39,7 @@ class RootState:
         self.lease_job_id = lease_job_id  # the job lease this state writes under
         self.markers: dict[str, Marker] = {}
         self.tags: dict[str, str] = {}
+        self.verified: dict[str, dict[str, Any]] = {}  # background verification results
         self.unmarked: set[str] | None = None
         self._manifests: dict[str, Manifest] = {}
 
@@ -49,6 +50,7 @@ class RootState:
         markers, uncommitted = catalog.scan(self.storage)
         self.markers = {m.name: m for m in markers}
         self.tags = catalog.read_tags(self.storage)
+        self.verified = catalog.read_verification(self.storage)
         return uncommitted
 
     def reload_tags(self) -> dict[str, str]:
@@ -58,6 +60,18 @@ class RootState:
 
     def sorted_markers(self) -> list[Marker]:
         return sorted(self.markers.values(), key=catalog.order_key)
+
+    def newest_verified(self) -> str | None:
+        return catalog.newest_verified(list(self.markers.values()), self.verified)
+
+    def doc(self, markers: list[Marker] | None = None) -> dict[str, Any]:
+        """What ``catalog.json`` should hold (of ``markers``, default every committed one)."""
+        markers = self.sorted_markers() if markers is None else markers
+        return catalog.catalog_doc(markers, self.tags, self._verified_of(markers))
+
+    def _verified_of(self, markers: list[Marker]) -> dict[str, dict[str, Any]]:
+        names = {m.name for m in markers}
+        return {n: r for n, r in self.verified.items() if n in names}
 
     def manifest(self, name: str) -> Manifest | None:
         """The manifest of ``name`` (read once); None when unreadable (logged)."""
@@ -101,8 +115,18 @@ class RootState:
 
     def write_catalog(self, markers: list[Marker] | None = None) -> None:
         """``catalog.json`` of ``markers`` (default: every committed one) and the tags."""
-        catalog.write_catalog(self.storage, self.sorted_markers() if markers is None else markers,
-                              self.tags)
+        markers = self.sorted_markers() if markers is None else markers
+        catalog.write_catalog(self.storage, markers, self.tags, self._verified_of(markers))
+
+    def record_verification(self, name: str, result: dict[str, Any]) -> bool:
+        """Record a background verification of ``name``; False when it is gone meanwhile."""
+        if name not in self.markers:
+            return False
+        self.check_lease()
+        self.verified = {**self._verified_of(list(self.markers.values())), name: result}
+        catalog.write_verification(self.storage, self.verified)
+        self.write_catalog()
+        return True
 
     def committed(self, marker: Marker, manifest: Manifest) -> None:
         """``marker`` was just written: its checkpoint is committed."""
