@@ -10,6 +10,7 @@ one table mapping them.  Environment overrides live in :func:`env_overrides` onl
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -28,6 +29,7 @@ ALIASES: dict[str, str] = {
     "trainer.resume_mode": "resume_mode",
     "trainer.resume_from_path": "resume_from",
     "resume_from_path": "resume_from",
+    "trainer.debug": "debug",
 }
 
 
@@ -44,13 +46,16 @@ class CheckpointConfig(RetentionRules):
     storage_options: dict[str, Any] = field(default_factory=dict)
     job_name: str = "default"
 
-    # triggers (driven by the training loop; see policy/triggers.py)
+    # triggers: evaluated by CheckpointManager.step() once per training step (see
+    # policy/triggers.py); loss and reward are read from its metrics' "loss" and "reward"
     save_interval: int | None = None
     save_full_interval: int | None = None
     save_every_minutes: float | None = None
     save_on_loss_drop: float | None = None
     save_on_reward_gain: float | None = None
     save_on_train_end: bool = True
+    # step() installs a SIGTERM handler: the next step saves, commits and sets should_stop
+    # (False: SIGTERM is left alone)
     save_on_preemption: bool = True
 
     # storage: transient failures (connection drops, throttling, 5xx) are retried with
@@ -78,6 +83,15 @@ class CheckpointConfig(RetentionRules):
     resume_mode: ResumeMode = "auto"
     resume_from: str | None = None
     allow_reshard: bool = True  # False: a changed world size is a config mismatch
+    # print a resume report (which checkpoint, which checks ran, what each role loaded,
+    # what was skipped and why) when a checkpoint is loaded
+    debug: bool = False
+
+    # background verification (see verify.py): every verify_every-th committed save (or
+    # every one with verify_after_save) is re-read from storage by a process that is not
+    # a writer: every checksum, the DCP metadata, and each role's tensors deserialized
+    verify_every: int | None = None
+    verify_after_save: bool = False
 
     # job isolation (see protocol/lease.py): one job writes a root at a time
     lease: bool = True
@@ -106,6 +120,7 @@ class CheckpointConfig(RetentionRules):
     anomaly_window: int = 10
     stall_warn_factor: float = 3.0
     size_warn_factor: float = 1.5
+    slow_warn_factor: float = 3.0  # persist and commit times (slow storage)
 
     # timeouts (seconds)
     commit_timeout_s: float = 600.0
@@ -115,7 +130,7 @@ class CheckpointConfig(RetentionRules):
     def __post_init__(self) -> None:
         if not self.save_dir:
             raise ValueError("save_dir must name a directory or URI, got an empty string")
-        for name in ("save_interval", "save_full_interval"):
+        for name in ("save_interval", "save_full_interval", "verify_every"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -139,7 +154,8 @@ class CheckpointConfig(RetentionRules):
         if self.anomaly_window < 1:
             raise ValueError(f"anomaly_window must be >= 1, got {self.anomaly_window!r}")
         for name in ("commit_timeout_s", "save_wait_timeout_s", "rpc_timeout_s",
-                     "stall_warn_factor", "size_warn_factor", "lease_ttl_s"):
+                     "stall_warn_factor", "size_warn_factor", "slow_warn_factor",
+                     "lease_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
@@ -158,10 +174,21 @@ class CheckpointConfig(RetentionRules):
                 value = "path"
             kwargs[name] = value
         if unknown:
-            raise ValueError(f"unknown checkpoint option(s) {sorted(unknown)}; "
-                             f"known: {sorted(known | set(ALIASES))}")
+            names = sorted(known | set(ALIASES))
+            hints = []
+            for key in sorted(unknown):
+                close = difflib.get_close_matches(key.removeprefix("checkpoint."), names, n=3,
+                                                  cutoff=0.6)
+                hints.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+            raise ValueError(f"unknown checkpoint option(s): {'; '.join(hints)}. "
+                             f"Known: {', '.join(names)}")
         kwargs.update(env_overrides())
         return cls(**kwargs)
+
+    @property
+    def verify_interval(self) -> int | None:
+        """Verify every this many committed saves (None: never)."""
+        return 1 if self.verify_after_save else self.verify_every
 
     def replace(self, **changes: Any) -> CheckpointConfig:
         return dataclasses.replace(self, **changes)

@@ -21,6 +21,7 @@ point                              where
 ``coordinator.after_marker``       the commit, after ``COMMITTED``, before ``LATEST``
 ``coordinator.catalog``            the commit, before ``catalog.json``
 ``coordinator.retention_delete``   retention, before deleting a checkpoint
+``verifier.verify``                the background verifier, before it reads a checkpoint
 =================================  ===================================================
 
 Actions: ``raise`` (:class:`~raycheckpoint.errors.InjectedFault`), ``hang:<seconds>``,

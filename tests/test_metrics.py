@@ -7,6 +7,7 @@ import time
 import urllib.request
 
 import pytest
+import ray
 
 from raycheckpoint.metrics import CheckpointMetrics
 from tests.helpers import manager, train
@@ -40,6 +41,18 @@ def test_abnormal_stall_and_size_are_flagged_against_the_recent_median():
     assert quiet.record(entry(5, 0.02, 10)) == []
 
 
+def test_slow_storage_is_flagged_when_persist_and_commit_times_rise():
+    m = CheckpointMetrics("job", window=5, publish=False)
+    for step in range(1, 5):
+        assert m.record({**entry(step, 0.1, 1000), "persist_s": 1.0, "total_s": 1.2}) == []
+    with pytest.warns(RuntimeWarning, match="storage may have become slower"):
+        warnings = m.record({**entry(5, 0.1, 1000), "persist_s": 4.0, "total_s": 4.4})
+    assert [w.split(" took")[0] for w in warnings] == ["writing it (slowest rank)", "committing it"]
+    assert "4.0x the median of the last 4 full saves (1.00s) for 1.00x the bytes" in warnings[0]
+    # short saves are noise whatever the ratio
+    assert m.record({**entry(6, 0.1, 1000), "persist_s": 0.4, "total_s": 0.45}) == []
+
+
 def _scrape(url: str, pattern: str, timeout: float = 90) -> list[str]:
     deadline = time.time() + timeout
     lines: list[str] = []
@@ -60,12 +73,15 @@ def _value(line: str) -> float:
 
 
 def test_saves_are_published_as_ray_metrics(group2, local_root, metrics_url):
-    m = manager(local_root, {"actor": group2}, config={"job_name": "metrics-test"})
+    m = manager(local_root, {"actor": group2}, config={"job_name": "metrics-test",
+                                                       "verify_after_save": True})
     try:
         for step in (1, 2):
             train(group2, [step])
             m.update(step=step, metrics={"reward": 0.1 * step})
             m.save_checkpoint().wait(120)
+        m.wait_for_cleanup(120)
+        assert ray.get(m.coordinator.wait_verifications.remote(120), timeout=180)
         stats = m.checkpoint_stats
         assert [s["ok"] for s in stats] == [True, True] and stats[-1]["anomalies"] == []
     finally:
@@ -83,3 +99,6 @@ def test_saves_are_published_as_ray_metrics(group2, local_root, metrics_url):
     written = _scrape(metrics_url, rf"^ray_raycheckpoint_bytes_written_total\{{.*{job}")
     assert _value(written[0]) == sum(s["bytes"] for s in stats)
     assert _scrape(metrics_url, r"^ray_raycheckpoint_persist_seconds\{")
+    verified = _scrape(metrics_url, rf"^ray_raycheckpoint_last_verified_step\{{.*{job}")
+    assert _value(verified[0]) == 2.0
+    assert _scrape(metrics_url, rf"^ray_raycheckpoint_verifications_total\{{.*{job}")

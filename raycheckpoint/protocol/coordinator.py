@@ -49,6 +49,7 @@ from raycheckpoint.protocol.commit import SaveRecord, commit
 from raycheckpoint.protocol.paths import step_dir_name, validate_tag
 from raycheckpoint.protocol.root import RootState
 from raycheckpoint.storage import FileEntry, Storage, StorageSpec
+from raycheckpoint.verifier import VerificationQueue
 
 if TYPE_CHECKING:  # the job's config, handed down by the manager
     from raycheckpoint.config import CheckpointConfig
@@ -97,6 +98,9 @@ class CheckpointCoordinator:
         self._requests: list[dict[str, Any]] = []
         self.collector = Collector(self.root, RetentionPolicy.from_config(config), self._in_flight)
         self.recovery = self._recover() if recover else {}
+        self._commits = 0
+        self._verifications = VerificationQueue(self.spec, self.root, self._commit_lock,
+                                                timeout_s=config.save_wait_timeout_s)
 
     def _recover(self, *, dry_run: bool = False, leftover_grace_s: float = 0.0) -> dict[str, Any]:
         with self._commit_lock:
@@ -125,9 +129,17 @@ class CheckpointCoordinator:
             taken, self._requests = self._requests, []
         return taken
 
+    def take_verifications(self) -> list[dict[str, Any]]:
+        """Background verification results recorded since the last call."""
+        return self._verifications.take()
+
+    def wait_verifications(self, timeout: float) -> bool:
+        """Wait until no verification is running or due; False on timeout."""
+        return self._verifications.wait_idle(timeout)
+
     def catalog(self) -> dict[str, Any]:
         with self._commit_lock:
-            return catalog.catalog_doc(self.root.sorted_markers(), self.root.tags)
+            return self.root.doc()
 
     def begin(self, *, step: int, kind: str, tag: str | None, metrics: dict[str, float],
               trainer_state: dict[str, Any], expected: list[tuple[str, int]],
@@ -315,6 +327,10 @@ class CheckpointCoordinator:
                 except Exception as e:  # noqa: BLE001 - a dead worker must not fail a commit
                     logger.warning("broadcast of %s to a worker failed: %s", save.name, e)
             save.cleanup = self.collector.clean_up_after(save.name)
+            self._commits += 1
+        every = self.config.verify_interval
+        if every and self._commits % every == 0:
+            self._verifications.due(save.name)
 
     def _finish(self, save: SaveRecord, error: BaseException | None,
                 result: dict[str, Any] | None = None) -> None:
