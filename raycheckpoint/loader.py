@@ -10,9 +10,16 @@ run, in the driver:
    the key of an encrypted one;
 3. refuse a light checkpoint, a changed config (:mod:`~raycheckpoint.resume`) or a
    missing role under ``strict=True``; list what it skips otherwise;
-4. have every worker load its rank's part (``ckpt_load``: resharding when the world size
-   changed, every byte verified as it is read);
+4. check every file of the manifest that no worker will read (assets, the RNG files of
+   ranks that no longer exist, roles with no worker group here) against its checksum;
+   then have every worker load its rank's part (``ckpt_load``: resharding when the world
+   size changed, every byte verified as it is read), and check whatever a worker was
+   handed but did not read: every file the checkpoint lists is verified once;
 5. restore the driver's RNG and data loader.
+
+``strict=False`` loads what exists and lists the rest in ``LoadResult.skipped`` (tensor
+keys the checkpoint lacks included); every skipped item is logged as a WARNING.  With
+``CheckpointConfig.debug`` a resume report (:attr:`LoadResult.report`) is printed.
 """
 
 from __future__ import annotations
@@ -32,11 +39,12 @@ from raycheckpoint.errors import (
     LightCheckpointError,
 )
 from raycheckpoint.integrity.crypto import check_key
+from raycheckpoint.integrity.verify import verify_files
 from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.checkpoint import VerifiedCheckpoint, open_verified
 from raycheckpoint.protocol.paths import rng_file
 from raycheckpoint.protocol.refs import locate, resolve
-from raycheckpoint.resume import format_differences, resume_differences
+from raycheckpoint.resume import ResumeReport, format_differences, resume_differences
 from raycheckpoint.state import restore_rng
 from raycheckpoint.storage import Storage
 
@@ -53,6 +61,7 @@ class LoadResult:
     trainer_state: dict[str, Any] = field(repr=False)
     skipped: list[str] = field(default_factory=list)
     resharded: dict[str, tuple[int, int]] = field(default_factory=dict)
+    report: list[str] = field(default_factory=list, repr=False)  # what debug prints
 
 
 class CheckpointLoader:
@@ -86,11 +95,22 @@ class CheckpointLoader:
             for bad, error in sorted(catalog.scan_all(storage)[2].items()):
                 warnings.warn(f"checkpoint {bad} is skipped: {error}", RuntimeWarning, stacklevel=3)
                 failures.append(f"{bad}: {error}")
+            verification = catalog.read_verification(storage)
+            for name in list(names):
+                record = verification.get(name) or {}
+                if record.get("ok") is False:
+                    warnings.warn(f"checkpoint {name} is skipped: it failed background "
+                                  f"verification: {record.get('error')}", RuntimeWarning,
+                                  stacklevel=3)
+                    failures.append(f"{name}: failed background verification: "
+                                    f"{record.get('error')}")
+                    names.remove(name)
         if not names and not failures:
             return None  # only "auto" resolves to nothing: a fresh root
         for name in names:
             try:
-                return self._load(storage, name, strict=strict, weights_only=False)
+                return self._load(storage, name, strict=strict, weights_only=False,
+                                  passed_over=failures)
             except IntegrityError as e:
                 if ref != "auto":
                     raise
@@ -107,9 +127,11 @@ class CheckpointLoader:
             ref = "latest"
         return self._load(storage, resolve(storage, ref)[0], strict=False, weights_only=True)
 
-    def _load(self, storage: Storage, name: str, *, strict: bool, weights_only: bool) -> LoadResult:
+    def _load(self, storage: Storage, name: str, *, strict: bool, weights_only: bool,
+              passed_over: list[str] = ()) -> LoadResult:
         ck = open_verified(storage, name)
         check_key(ck.manifest.encryption, self.cipher, name)
+        report = ResumeReport(ck, passed_over)
         if not weights_only and ck.kind == "light":
             if strict:
                 raise LightCheckpointError(
@@ -120,6 +142,9 @@ class CheckpointLoader:
         skipped: list[str] = []
         diffs = resume_differences(ck, self.fingerprint, self.world_sizes,
                                    allow_reshard=self.config.allow_reshard)
+        if not weights_only:
+            report.check(f"config fingerprint ({len(self.fingerprint)} keys) and world sizes: "
+                         + ("match" if not diffs else f"{len(diffs)} difference(s)"))
         if diffs and not weights_only:
             if strict:
                 raise ConfigMismatchError(format_differences(name, diffs), differences=diffs)
@@ -134,7 +159,27 @@ class CheckpointLoader:
         extra_roles = sorted(set(ck.manifest.roles) - set(self.groups))
         if extra_roles:
             skipped.append(f"roles in the checkpoint with no worker group here: {extra_roles}")
-        resharded = self._load_workers(ck, weights_only=weights_only, skipped=skipped)
+        requests = self._requests(ck, weights_only=weights_only, strict=strict)
+        handed = {p for _, req in requests for p in req["files"]}
+        # what no worker will read is checked first: a corrupt asset refuses the checkpoint
+        # before any worker's state changes
+        rest = {p: e for p, e in ck.manifest.files.items() if p not in handed}
+        verify_files(storage, rest)
+        report.verified("by the driver before loading (assets, unread rank files, other roles)",
+                        rest)
+        answers = _get([w.ckpt_load.remote(req) for w, req in requests], self.config.rpc_timeout_s)
+        read = {p for a in answers for p in a["verified"]}
+        for a in answers:
+            skipped.extend(a["skipped"])
+        report.verified("by the workers as they read them"
+                        + ("" if self.config.enable_checksum else " (sizes only: checksums off)"),
+                        {p: ck.manifest.files[p] for p in read})
+        unread = {p: ck.manifest.files[p] for p in sorted(handed - read)}
+        verify_files(storage, unread)
+        report.verified("by the driver after loading (handed to a worker, not read)", unread)
+        resharded = {role: (ck.manifest.roles[role].world_size, len(ws))
+                     for role, ws in self.groups.items() if role in ck.manifest.roles
+                     and ck.manifest.roles[role].world_size != len(ws)}
         self.workers_loaded()
         ts = ck.trainer_state
         if not weights_only:
@@ -142,42 +187,42 @@ class CheckpointLoader:
             if self.dataloader is not None:
                 if "dataloader" in ts:
                     self.dataloader.load_state_dict(ts["dataloader"])
+                    report.loaded("data loader: its saved position")
                 elif strict:
                     raise IntegrityError(f"{name} has no data-loader state but this job has a "
                                          "data loader", path=name)
                 else:
                     skipped.append("data loader: no saved state")
         for s in skipped:
-            logger.info("load %s: %s", name, s)
-        return LoadResult(name=name, step=ck.step, kind=ck.kind, epoch=ts.get("epoch"),
-                          metrics=ts.get("metrics") or {}, trainer_state=ts, skipped=skipped,
-                          resharded=resharded)
+            logger.warning("load %s: skipped %s", name, s)
+        result = LoadResult(name=name, step=ck.step, kind=ck.kind, epoch=ts.get("epoch"),
+                            metrics=ts.get("metrics") or {}, trainer_state=ts, skipped=skipped,
+                            resharded=resharded)
+        result.report = report.lines(self.groups, weights_only=weights_only, result=result)
+        if self.config.debug:
+            print("\n".join(result.report), flush=True)
+        return result
 
-    def _load_workers(self, ck: VerifiedCheckpoint, *, weights_only: bool,
-                      skipped: list[str]) -> dict[str, tuple[int, int]]:
-        calls, resharded = [], {}
+    def _requests(self, ck: VerifiedCheckpoint, *, weights_only: bool, strict: bool
+                  ) -> list[tuple[Any, dict[str, Any]]]:
+        """(worker, its ``ckpt_load`` request) for every rank of a role the checkpoint has."""
+        out = []
         for role, workers in self.groups.items():
             layout = ck.manifest.roles.get(role)
             if layout is None:
                 continue
-            if layout.world_size != len(workers):
-                resharded[role] = (layout.world_size, len(workers))
             prefix = layout.dcp_dir + "/"
             files = {p: e.to_dict() for p, e in ck.manifest.files.items() if p.startswith(prefix)}
             for rank, w in enumerate(workers):
                 src_rank = rank if rank < layout.world_size else 0
                 suffix = "/" + rng_file(role, src_rank)
-                rng = next((f for f in layout.files if f.endswith(suffix)), None)
-                if rng is not None:
-                    files_r = {**files, rng: ck.manifest.files[rng].to_dict()}
-                else:
-                    files_r, rng = files, None
-                calls.append(w.ckpt_load.remote({
+                rng = None if weights_only else next(
+                    (f for f in layout.files if f.endswith(suffix)), None)
+                files_r = files if rng is None else {**files, rng: ck.manifest.files[rng].to_dict()}
+                out.append((w, {
                     "dcp_dir": layout.dcp_dir, "files": files_r,
                     "checksums": self.config.enable_checksum,
                     "kind": "light" if weights_only else "full",
-                    "saved_world_size": layout.world_size, "rng_file": rng,
+                    "saved_world_size": layout.world_size, "rng_file": rng, "partial": not strict,
                     "wait_timeout_s": self.config.save_wait_timeout_s}))
-        for r in _get(calls, self.config.rpc_timeout_s):
-            skipped.extend(r["skipped"])
-        return resharded
+        return out

@@ -4,12 +4,14 @@ A checkpoint's ``trainer_state.json`` records the job's config fingerprint (mode
 algorithm, GRPO group size, KL settings, dataset fingerprint: whatever the driver puts
 in it) and the world size of each role.  :func:`resume_differences` lists everything
 that blocks a strict resume by another job; :func:`preflight` runs that check before any
-worker starts (the RL driver calls it, ``raycheckpoint diff`` shows it).  Free of Ray
-and torch.
+worker starts (the RL driver calls it, ``raycheckpoint diff`` shows it).
+:class:`ResumeReport` collects what a load checked, loaded and skipped (what
+``CheckpointConfig.debug`` prints).  Free of Ray and torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from raycheckpoint.errors import ConfigMismatchError
@@ -69,3 +71,50 @@ def preflight(storage: Storage, ref: str | int, fingerprint: dict[str, Any],
     if diffs:
         raise ConfigMismatchError(format_differences(ck.name, diffs), differences=diffs)
     return ck.name
+
+
+class ResumeReport:
+    """What one load of checkpoint ``ck`` checked, loaded and skipped, as printable lines.
+
+    ``passed_over``: newer checkpoints ``auto`` did not take, with the reason.
+    """
+
+    def __init__(self, ck: VerifiedCheckpoint, passed_over: Iterable[str] = ()) -> None:
+        self.ck = ck
+        self.passed_over = list(passed_over)
+        self.checks = ["COMMITTED marker, manifest and version.json read and checked"]
+        if ck.manifest.encryption:
+            self.checks.append("the job's key is the checkpoint's (key id matches)")
+        self.notes: list[str] = []
+
+    def check(self, text: str) -> None:
+        self.checks.append(text)
+
+    def verified(self, how: str, files: Mapping[str, Any]) -> None:
+        if files:
+            size = sum(e.size for e in files.values())
+            self.checks.append(f"{len(files)} file(s), {size / 1e6:.2f} MB, verified {how}")
+
+    def loaded(self, text: str) -> None:
+        self.notes.append(text)
+
+    def lines(self, groups: Mapping[str, list[Any]], *, weights_only: bool, result: Any) -> list[str]:
+        ck = self.ck
+        out = [f"[raycheckpoint] resume report: {ck.name} (step {ck.step}, {ck.kind}, epoch "
+               f"{result.epoch}) from {ck.storage.url()}"]
+        out += [f"  passed over: {p}" for p in self.passed_over]
+        out += [f"  check: {c}" for c in self.checks]
+        what = "model weights" if weights_only else "model, optimizer and rank state"
+        for role, workers in groups.items():
+            layout = ck.manifest.roles.get(role)
+            if layout is None:
+                out.append(f"  loaded {role}: nothing (the checkpoint has no such role)")
+                continue
+            note = " (resharded)" if layout.world_size != len(workers) else ""
+            out.append(f"  loaded {role}: {what} into {len(workers)} rank(s) from "
+                       f"{layout.world_size} saved{note}")
+        if not weights_only:
+            out.append("  loaded driver: RNG state")
+        out += [f"  loaded {n}" for n in self.notes]
+        out += [f"  skipped: {s}" for s in result.skipped] or ["  skipped: nothing"]
+        return out

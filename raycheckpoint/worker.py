@@ -291,7 +291,9 @@ class CheckpointableWorker:
 
         ``request`` keys: ``dcp_dir``, ``files`` (path -> entry dict, this role's files from
         the manifest), ``checksums``, ``kind`` (what to load: ``full`` or ``light``),
-        ``saved_world_size``, ``rng_file`` (path of this rank's extra state, or None).
+        ``saved_world_size``, ``rng_file`` (path of this rank's extra state, or None),
+        ``partial`` (keys the checkpoint lacks keep their values, and are listed, instead of
+        failing the load).  Returns what was skipped and the files read and checked.
         """
         saver = self._saver()
         saver.wait_previous(request.get("wait_timeout_s", 1800.0))
@@ -308,6 +310,8 @@ class CheckpointableWorker:
             return read_verified(saver.storage, rel, expected.get(rel),
                                  checksums=request["checksums"], decrypt=True)
 
+        skipped: list[str] = []
+        verified: set[str] = set()
         try:
             extra = read_extra if beside is None else beside.submit(read_extra)
             with torch.no_grad():  # as at a snapshot: the template's DTensors resolve cheaply
@@ -317,19 +321,26 @@ class CheckpointableWorker:
                                                 checksums=request["checksums"])
                 reader.prefetch(overlapping_ranks(self.ckpt_rank, self.ckpt_world_size,
                                                   request["saved_world_size"]))
-                load_verified(template, reader)
+                absent = load_verified(template, reader, partial=request.get("partial", False))
+                verified |= reader.verified
+                if absent:
+                    skipped.append(f"{self.ckpt_role}/{self.ckpt_rank}: {len(absent)} key(s) not "
+                                   f"in the checkpoint, left as they were: {', '.join(absent[:8])}"
+                                   + (f" and {len(absent) - 8} more" if len(absent) > 8 else ""))
                 self.ckpt_load_state_dict(template, kind)
             elif template:
                 raise IntegrityError(f"{request['dcp_dir']}: the checkpoint holds no tensors "
                                      f"for {self.ckpt_role}, which has state to load",
                                      path=request["dcp_dir"])
-            skipped: list[str] = []
             if kind == "full":
                 skipped += self._load_extra(request, rel, extra)
+                if rel is not None:
+                    verified.add(rel)
         finally:
             if beside is not None:
                 beside.shutdown(wait=False, cancel_futures=True)
-        return {"role": self.ckpt_role, "rank": self.ckpt_rank, "skipped": skipped}
+        return {"role": self.ckpt_role, "rank": self.ckpt_rank, "skipped": skipped,
+                "verified": sorted(verified)}
 
     def _load_extra(self, request: dict[str, Any], rel: str | None,
                     read: Future[bytes] | Callable[[], bytes]) -> list[str]:

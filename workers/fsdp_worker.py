@@ -69,8 +69,9 @@ class FSDPTrainWorker(ShardedModelWorker):
 
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str,
                  master_port: int, timeout_s: float = 120.0, model: dict | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, assets: dict[str, bytes] | None = None) -> None:
         self.cfg = TinyLMConfig(**(model or {}))
+        self._assets = dict(assets or {})  # files saved beside the weights (ckpt_assets)
         super().__init__(role=role, rank=rank, world_size=world_size, master_addr=master_addr,
                          master_port=master_port, timeout_s=timeout_s, seed=seed,
                          optim={"lr": self.cfg.lr, "end_factor": 0.1,

@@ -78,6 +78,8 @@ class VerifyingStorageReader(StorageReader):
         # object stores: files read whole ahead of the load's own reads (prefetch)
         self._fetched: dict[str, concurrent.futures.Future[memoryview]] = {}
         self._fetch_pool: ThreadPoolExecutor | None = None
+        # the files read whole and checked against the manifest (checksums unless off)
+        self.verified: set[str] = set()
 
     def _read_verified(self, rel: str) -> bytes:
         """A small file (``.metadata``) read whole, verified and decrypted."""
@@ -292,6 +294,7 @@ class VerifyingStorageReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             data = self._read_verified(dcp_metadata(self.dcp_dir))
+            self.verified.add(dcp_metadata(self.dcp_dir))
             metadata = pickle.loads(data)  # noqa: S301 - checksum verified against the manifest
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -325,6 +328,7 @@ class VerifyingStorageReader(StorageReader):
                     held.append((req, bytes(self._record(rel, blob, req))))
                 else:
                     self._load_tensor(rel, blob, req, planner, base)
+        self.verified.add(rel)
         for req, record in held:  # the file verified (or checksums are off)
             planner.load_bytes(req, io.BytesIO(record))
 
