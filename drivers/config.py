@@ -41,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "trainer.resume_mode": "auto",              # auto | disable | resume_path
     "trainer.resume_from_path": None,
     "trainer.seed": 0,
+    "trainer.debug": False,                     # print a resume report when resuming
     "trainer.n_gpus_per_node": 2,
     "trainer.nnodes": 1,
     "trainer.worker_resources": None,           # JSON dict: custom resources per worker actor;

@@ -38,7 +38,6 @@ from raycheckpoint import (
     ResumableSampler,
     Storage,
 )
-from raycheckpoint.policy.triggers import PreemptionFlag, SaveTriggers
 from raycheckpoint.resume import preflight
 from workers.group import Placement, place_ranks, start_ranks
 from workers.models import BOS, encode
@@ -49,17 +48,18 @@ RPC = 600.0
 
 
 class DataState:
-    """What the checkpoint's data-loader slot holds: sampler position and trigger baselines."""
+    """What the checkpoint's data-loader slot holds: the sampler's position."""
 
-    def __init__(self, sampler: ResumableSampler, triggers: SaveTriggers) -> None:
-        self.sampler, self.triggers = sampler, triggers
+    def __init__(self, sampler: ResumableSampler) -> None:
+        self.sampler = sampler
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(), "triggers": self.triggers.state_dict()}
+        return {"sampler": self.sampler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # checkpoints of earlier releases also hold the triggers' baselines here; the
+        # manager now saves those in the trainer state itself
         self.sampler.load_state_dict(state["sampler"])
-        self.triggers.load_state_dict(state["triggers"])
 
 
 def start_groups(opts: dict[str, Any], world: int) -> dict[str, list[Any]]:
@@ -183,6 +183,7 @@ class Trainer:
         ck = {"save_dir": self.root, "storage_options": self.storage_options,
               "save_full_interval": opts["trainer.save_freq"] if opts["trainer.save_freq"] > 0 else None,
               "resume_mode": opts["trainer.resume_mode"], "resume_from": opts["trainer.resume_from_path"],
+              "debug": opts["trainer.debug"],
               **{k: v for k, v in opts.items() if k.startswith("checkpoint.")}}
         self.ckpt_config = CheckpointConfig.from_dict({k: v for k, v in ck.items() if v is not None})
         self.fingerprint = fingerprint(opts, data_sha, len(self.rows))
@@ -195,7 +196,6 @@ class Trainer:
             preflight(Storage(self.root, self.storage_options), self.resume_ref, self.fingerprint,
                       dict.fromkeys(roles, self.world), allow_reshard=self.ckpt_config.allow_reshard)
         self.sampler = ResumableSampler(len(self.rows), seed=opts["data.seed"])
-        self.triggers = SaveTriggers(self.ckpt_config)
         metrics = opts["trainer.metrics_file"] or f"{self.root}/metrics.jsonl"
         self.metrics_file = metrics
         self.events: list[str] = []
@@ -207,7 +207,7 @@ class Trainer:
         init_ray()
         self.groups = start_groups(self.opts, self.world)
         self.manager = CheckpointManager(
-            self.ckpt_config, self.groups, dataloader=DataState(self.sampler, self.triggers),
+            self.ckpt_config, self.groups, dataloader=DataState(self.sampler),
             fingerprint=self.fingerprint,
             frozen_roles=["reference", "reward"])
 
@@ -269,13 +269,6 @@ class Trainer:
 
     # ---- checkpoint events ------------------------------------------------------------------
 
-    def save(self, *, kind: str, tag: str | None, reason: str) -> float:
-        t0 = time.perf_counter()
-        handle = self.manager.save_checkpoint(tag=tag, kind=kind)
-        self.triggers.saved()
-        self.events.append(f"save {handle.name} {kind}" + (f" tag={tag}" if tag else "") + f" ({reason})")
-        return time.perf_counter() - t0
-
     def collect_commits(self) -> None:
         stats = self.manager.checkpoint_stats
         for s in stats[self._seen_stats:]:
@@ -301,7 +294,7 @@ class Trainer:
 
     def run(self) -> int:
         o = self.opts
-        preempt = PreemptionFlag()
+        self.manager.watch_preemption()  # a SIGTERM while resuming stops after the first step
         start = 0
         if self.resume_ref is not None:
             loaded = self.manager.load_checkpoint(self.resume_ref, strict=True)
@@ -318,22 +311,14 @@ class Trainer:
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
             out = self.train_step()
-            self.manager.update(step=step, epoch=self.sampler.epoch, metrics={"loss": out["loss"],
-                                                                             "reward": out["reward"]})
-            blocked, saved = 0.0, set()  # at most one save of each kind per step
-            for req in self.manager.poll_requests():
-                blocked += self.save(kind=req["kind"], tag=req["tag"], reason="requested from outside")
-                saved.add(req["kind"])
-            decision = self.triggers.check(step, loss=out["loss"], reward=out["reward"],
-                                           is_last=step == total)
-            if decision is not None and decision.kind not in saved and "full" not in saved:
-                blocked += self.save(kind=decision.kind, tag=None, reason="; ".join(decision.reasons))
-                saved.add(decision.kind)
-            # read once: a signal that lands after this point (while commits are collected or
-            # the record is written) is acted on at the end of the next step, never dropped
-            stopping = preempt.requested
-            if stopping and self.ckpt_config.save_on_preemption and "full" not in saved:
-                blocked += self.save(kind="full", tag=None, reason="preemption (SIGTERM)")
+            # the manager saves what the config asks for: requests from outside, triggers,
+            # and on SIGTERM an emergency full save, committed before should_stop turns True
+            self.manager.step(step, epoch=self.sampler.epoch, is_last=step == total,
+                              metrics={"loss": out["loss"], "reward": out["reward"]})
+            saves = self.manager.last_saves
+            self.events += [f"save {h.name} {h.kind}" + (f" tag={h.tag}" if h.tag else "")
+                            + f" ({h.reason})" for h in saves]
+            blocked = sum(h.stall_s for h in saves)
             self.collect_commits()
             sha = ray.get([w.weights_sha256.remote() for w in self.groups["actor"]], timeout=RPC)[0]
             record = {"step": step, "epoch": self.sampler.epoch, **{k: round(v, 6) for k, v in out.items()},
@@ -342,10 +327,9 @@ class Trainer:
                       "checkpoint_stats": self.finished_saves}
             self.events, self.finished_saves = [], []
             self.write_metrics(record)
-            if stopping:
-                self.manager.wait_for_saves(RPC)
-                print(f"stopped by signal {preempt.signum} after step {step}; emergency checkpoint "
-                      "committed", flush=True)
+            if self.manager.should_stop:
+                print(f"stopped by signal {self.manager.stop_signal} after step {step}; emergency "
+                      "checkpoint committed", flush=True)
                 return 0
             if step == o["trainer.crash_at_step"]:
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -1,4 +1,7 @@
-"""CheckpointManager: the driver-side facade (save_checkpoint, load_checkpoint, stats).
+"""CheckpointManager: the driver-side facade (step, save_checkpoint, load_checkpoint, stats).
+
+* ``step(step, epoch=, metrics=, is_last=)``, once per training step, makes every save
+  the config asks for (:mod:`raycheckpoint.autosave`): the loop holds no save logic.
 
 The manager starts the job's :class:`~raycheckpoint.protocol.coordinator.CheckpointCoordinator`
 actor, sets up the workers' savers, and drives the protocol:
@@ -32,8 +35,9 @@ from typing import Any
 import ray
 
 from raycheckpoint._internal.rpc import get as _get
+from raycheckpoint.autosave import StepSaver
 from raycheckpoint.config import CheckpointConfig
-from raycheckpoint.errors import CheckpointSaveError, RayCheckpointError
+from raycheckpoint.errors import CheckpointSaveError
 from raycheckpoint.integrity.crypto import FileCipher, load_key
 from raycheckpoint.loader import CheckpointLoader, LoadResult
 from raycheckpoint.metrics import CheckpointMetrics
@@ -41,7 +45,7 @@ from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol import coordinator
 from raycheckpoint.protocol.lease import Lease
 from raycheckpoint.protocol.paths import step_dir_name
-from raycheckpoint.save_handle import SaveHandle
+from raycheckpoint.save_handle import SaveHandle, SaveTracker
 from raycheckpoint.state import capture_rng
 from raycheckpoint.storage import StorageSpec
 
@@ -80,11 +84,14 @@ class CheckpointManager:
         self.global_step = 0
         self.epoch = 0
         self.metrics: dict[str, Any] = {}
-        self._stats: list[dict[str, Any]] = []
         self._metrics = CheckpointMetrics(
             config.job_name, window=config.anomaly_window, stall_warn_factor=config.stall_warn_factor,
-            size_warn_factor=config.size_warn_factor, publish=config.publish_metrics)
-        self._handles: list[SaveHandle] = []
+            size_warn_factor=config.size_warn_factor, slow_warn_factor=config.slow_warn_factor,
+            publish=config.publish_metrics)
+        self._saves = SaveTracker(self._metrics)
+        self._record = self._saves.record
+        self.verifications: list[dict[str, Any]] = []  # background verification results
+        self._stepper = StepSaver(self)
         self._lease: Lease | None = None
         if config.lease:  # refuse (naming the holder) before touching anything under the root
             self._lease = Lease(self.storage, job_name=config.job_name, ttl_s=config.lease_ttl_s,
@@ -141,6 +148,49 @@ class CheckpointManager:
         if metrics is not None:
             self.metrics = dict(metrics)
 
+    def step(self, step: int, *, epoch: int | None = None, metrics: dict[str, Any] | None = None,
+             is_last: bool = False) -> SaveHandle | None:
+        """Call once per training step, after its metrics are known: records where training
+        is and makes the saves the config asks for (requests from outside, triggers,
+        preemption; see :mod:`raycheckpoint.autosave`).  Returns the step's full save, else
+        its light one, else None; ``last_saves`` lists them all.  Once a SIGTERM's save
+        has committed, ``should_stop`` is True."""
+        handle = self._stepper.step(step, epoch=epoch, metrics=metrics, is_last=is_last)
+        self._take_verifications()
+        return handle
+
+    def watch_preemption(self) -> None:
+        """Install the SIGTERM handler now (``step()`` does on its first call): a signal
+        that arrives before the first step is acted on at that step."""
+        self._stepper.arm()
+
+    @property
+    def last_saves(self) -> list[SaveHandle]:
+        return list(self._stepper.saves)
+
+    @property
+    def should_stop(self) -> bool:
+        """True once a preemption signal arrived and its save committed."""
+        return self._stepper.stop_requested
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal that asked the job to stop (``should_stop``), if any."""
+        flag = self._stepper.preemption
+        return None if flag is None else flag.signum
+
+    def _take_verifications(self) -> None:
+        """Background verification results since the last call: published, failures warned."""
+        if not self.config.verify_interval:
+            return
+        for r in _get(self._coordinator.take_verifications.remote(), self.config.rpc_timeout_s):
+            self.verifications.append(r)
+            self._metrics.verified(r)
+            if not r["ok"]:
+                warnings.warn(f"checkpoint {r['name']} failed background verification: "
+                              f"{r['error']}; resume ('auto') skips it", RuntimeWarning,
+                              stacklevel=3)
+
     def _refresh_identities(self) -> None:
         """Hash the frozen roles' weights (per rank, no collective) to detect reuse."""
         for role in self.frozen_roles:
@@ -158,44 +208,15 @@ class CheckpointManager:
     def gc(self) -> dict[str, list[str]]:
         return _get(self._coordinator.gc.remote(), self.config.rpc_timeout_s)
 
-    def _record(self, handle: SaveHandle, result: dict[str, Any] | None,
-                error: BaseException | None) -> None:
-        entry = {"name": handle.name, "step": handle.step, "kind": handle.kind,
-                 "stall_s": handle.stall_s, "worker_stall_s": handle.worker_stall_s,
-                 "ok": error is None}
-        if result is not None:
-            total = result.get("total_s") or 0.0
-            entry.update(bytes=result.get("bytes", 0), persist_s=result.get("persist_s"),
-                         total_s=total,
-                         throughput_mb_s=(result.get("bytes", 0) / total / 1e6) if total else None)
-        else:
-            entry["error"] = f"{type(error).__name__}: {error}"
-        entry["anomalies"] = self._metrics.record(entry)
-        self._stats.append(entry)
-
-    def _poll(self) -> None:
-        """Collect finished saves; warn (once) about failures nobody waited for."""
-        for h in list(self._handles):
-            if h.save_id is None or not h.done():
-                continue
-            self._handles.remove(h)
-            if h.observed:
-                continue
-            try:
-                h.wait(0)
-            except RayCheckpointError as e:
-                warnings.warn(f"checkpoint {h.name} (step {h.step}) failed and was not "
-                              f"committed: {e}", RuntimeWarning, stacklevel=3)
-                h.observed = True
-
     @property
     def checkpoint_stats(self) -> list[dict[str, Any]]:
         """Per finished save: bytes, stall_s, persist_s, total_s, throughput_mb_s, ok, anomalies.
 
         The same figures are published as Ray metrics (see :mod:`raycheckpoint.metrics`).
         """
-        self._poll()
-        return list(self._stats)
+        self._saves.poll()
+        self._take_verifications()
+        return list(self._saves.stats)
 
     # ---- save -------------------------------------------------------------------------------------
 
@@ -204,15 +225,17 @@ class CheckpointManager:
         """Snapshot every worker (blocking only for the host copy) and commit in the background."""
         if kind not in ("full", "light"):
             raise ValueError(f"kind must be 'full' or 'light', got {kind!r}")
-        self._poll()
+        self._saves.poll()
         step = self.global_step if step is None else step
         metrics = dict(self.metrics if metrics is None else metrics)
         t0 = time.perf_counter()
+        self._stepper.triggers.saved()  # save_every_minutes counts from any save
         trainer_state: dict[str, Any] = {
             "epoch": self.epoch, "config_fingerprint": self.fingerprint,
             "world_sizes": self.world_sizes, "saved_at": time.time(),
             # the job's retention rules, so `raycheckpoint gc` can apply them without the job
-            "retention": RetentionPolicy.from_config(self.config).retention_rules()}
+            "retention": RetentionPolicy.from_config(self.config).retention_rules(),
+            "triggers": self._stepper.triggers.state_dict()}
         if kind == "full":
             trainer_state["rng"] = capture_rng()
             if self.dataloader is not None:
@@ -277,7 +300,7 @@ class CheckpointManager:
                             stall_s=time.perf_counter() - t0,
                             worker_stall_s=max((s["stall_s"] for s in snaps), default=0.0),
                             finished=finished)
-        self._handles.append(handle)
+        self._saves.handles.append(handle)
         return handle
 
     def _fail_staged(self, save_id: str, name: str, kind: str, writers: list[tuple[str, Any]],
@@ -322,17 +345,7 @@ class CheckpointManager:
 
     def wait_for_saves(self, timeout: float | None = None) -> None:
         """Wait for every save in flight; raise the first failure not yet observed."""
-        first: BaseException | None = None
-        for h in list(self._handles):
-            self._handles.remove(h)
-            if h.observed and h.error is not None:
-                continue
-            try:
-                h.wait(timeout)
-            except RayCheckpointError as e:
-                first = first or e
-        if first is not None:
-            raise first
+        self._saves.wait_all(timeout)
 
     # ---- load -------------------------------------------------------------------------------------
 
@@ -345,6 +358,7 @@ class CheckpointManager:
         if result is not None and result.kind == "full":  # a light one loads weights only
             self.update(step=result.step, epoch=result.trainer_state.get("epoch"),
                         metrics=result.metrics)
+            self._stepper.triggers.load_state_dict(result.trainer_state.get("triggers") or {})
         return result
 
     def load_model_weights(self, ref: str | int = "latest") -> LoadResult:

@@ -1,4 +1,4 @@
-"""SaveHandle: the driver's handle on one save in flight.
+"""SaveHandle: the driver's handle on one save in flight; SaveTracker: all of them.
 
 Returned by :meth:`CheckpointManager.save_checkpoint
 <raycheckpoint.manager.CheckpointManager.save_checkpoint>` once every worker holds its
@@ -6,10 +6,15 @@ host copy.  ``done()`` asks the local object store whether the coordinator's ans
 arrived; ``wait(timeout)`` returns the commit result or raises the save's error
 unchanged (orbax's and DCP's async handles do the same).  The first outcome observed is
 handed to the manager's recorder (``checkpoint_stats``, metrics).
+
+:class:`SaveTracker` keeps a manager's handles until they finish and the figures of
+every finished save (``checkpoint_stats``), fed to
+:class:`~raycheckpoint.metrics.CheckpointMetrics`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +36,8 @@ class SaveHandle:
         self._record = record
         self.save_id, self.name, self.step, self.kind = save_id, name, step, kind
         self.stall_s, self.worker_stall_s = stall_s, worker_stall_s
+        self.tag: str | None = None
+        self.reason = ""  # why it was saved (set by CheckpointManager.step)
         self._result: dict[str, Any] | None = existing
         self._error: BaseException | None = None
         self.observed = existing is not None
@@ -75,3 +82,59 @@ class SaveHandle:
     @property
     def error(self) -> BaseException | None:
         return self._error
+
+
+class SaveTracker:
+    """The saves of one manager: in flight (until observed) and finished (their figures)."""
+
+    def __init__(self, metrics: Any) -> None:
+        self.metrics = metrics
+        self.handles: list[SaveHandle] = []
+        self.stats: list[dict[str, Any]] = []
+
+    def record(self, handle: SaveHandle, result: dict[str, Any] | None,
+               error: BaseException | None) -> None:
+        """A :data:`Recorder`: one finished save's figures, its anomalies flagged."""
+        entry = {"name": handle.name, "step": handle.step, "kind": handle.kind,
+                 "stall_s": handle.stall_s, "worker_stall_s": handle.worker_stall_s,
+                 "ok": error is None}
+        if handle.reason:
+            entry["reason"] = handle.reason
+        if result is not None:
+            total = result.get("total_s") or 0.0
+            entry.update(bytes=result.get("bytes", 0), persist_s=result.get("persist_s"),
+                         total_s=total,
+                         throughput_mb_s=(result.get("bytes", 0) / total / 1e6) if total else None)
+        else:
+            entry["error"] = f"{type(error).__name__}: {error}"
+        entry["anomalies"] = self.metrics.record(entry)
+        self.stats.append(entry)
+
+    def poll(self) -> None:
+        """Collect finished saves; warn (once) about failures nobody waited for."""
+        for h in list(self.handles):
+            if h.save_id is None or not h.done():
+                continue
+            self.handles.remove(h)
+            if h.observed:
+                continue
+            try:
+                h.wait(0)
+            except RayCheckpointError as e:
+                warnings.warn(f"checkpoint {h.name} (step {h.step}) failed and was not "
+                              f"committed: {e}", RuntimeWarning, stacklevel=4)
+                h.observed = True
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        """Wait for every save in flight; raise the first failure not yet observed."""
+        first: BaseException | None = None
+        for h in list(self.handles):
+            self.handles.remove(h)
+            if h.observed and h.error is not None:
+                continue
+            try:
+                h.wait(timeout)
+            except RayCheckpointError as e:
+                first = first or e
+        if first is not None:
+            raise first

@@ -118,9 +118,13 @@ def test_killed_job_resumes_exactly(ray_head, tmp_path, algo):
     assert b.returncode != 0  # the driver was killed
     assert max(metrics(b_root)) == crash
     resumed = submit(ray_head, [*common, f"trainer.default_local_dir={b_root}",
-                                "trainer.resume_mode=auto"])
+                                "trainer.resume_mode=auto", "trainer.debug=true"])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from step_" in resumed.stdout
+    # trainer.debug: the resume report, before the driver's own line
+    report = resumed.stdout.split("[raycheckpoint] resume report: ")[1].split("resumed from")[0]
+    assert "check: config fingerprint" in report and "loaded actor: model, optimizer" in report
+    assert "verified by the workers as they read them" in report
 
     ma, mb = metrics(tmp_path / "a"), metrics(b_root)
     start = int(resumed.stdout.split("resumed from step_")[1][:8])
