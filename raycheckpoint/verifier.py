@@ -3,8 +3,8 @@ wrote none of it.
 
 ``checkpoint.verify_every=N`` (or ``verify_after_save``) has the coordinator hand every
 Nth committed checkpoint to a :class:`CheckpointVerifier` actor (started on first use,
-``num_cpus=0``, its threads at the idle scheduling class so that training never waits for
-it).  :func:`verify_committed` checks, in order:
+``num_cpus=0``, one thread at the idle scheduling class, so that it runs on CPU time
+training leaves idle).  :func:`verify_committed` checks, in order:
 
 1. the marker, the manifest and ``version.json`` (:func:`open_verified`);
 2. every file of the manifest, streamed and hashed against its checksum (assets, RNG
@@ -52,7 +52,7 @@ def verify_committed(storage: Storage, name: str) -> dict[str, Any]:
         ck = open_verified(storage, name)
         step = ck.step
         checks.append("marker, manifest and version")
-        verify_files(storage, ck.manifest.files)
+        verify_files(storage, ck.manifest.files, threads=1)
         checks.append(f"{len(ck.manifest.files)} files' checksums "
                       f"({ck.manifest.total_bytes / 1e6:.1f} MB)")
         tensors = extras = 0
@@ -100,6 +100,9 @@ class CheckpointVerifier:
     def verify(self, name: str) -> dict[str, Any]:
         faults.check("verifier.verify", path=name)
         _idle_priority()
+        import torch
+
+        torch.set_num_threads(1)  # one core at most, and only when training leaves it idle
         result = verify_committed(self.storage, name)
         log = logger.info if result["ok"] else logger.warning
         log("verification of %s: %s", name, "passed" if result["ok"] else result["error"])
