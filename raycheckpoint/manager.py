@@ -34,6 +34,7 @@ from typing import Any
 
 import ray
 
+from raycheckpoint import verifier
 from raycheckpoint._internal.rpc import get as _get
 from raycheckpoint.autosave import StepSaver
 from raycheckpoint.config import CheckpointConfig
@@ -111,7 +112,8 @@ class CheckpointManager:
 
     def _start(self, config: CheckpointConfig, prepare_buffers: bool) -> None:
         self._coordinator = coordinator.start(
-            self.spec, config, None if self._lease is None else self._lease.job_id)
+            self.spec, config, None if self._lease is None else self._lease.job_id,
+            verifier=verifier.start if config.verify_interval else None)
         rpc = config.rpc_timeout_s
         _get([w.ckpt_setup.remote(role=role, rank=rank, world_size=len(ws), storage=self.spec,
                                   report_timeout_s=rpc, persist_nice=config.persist_nice,

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import Any
 
+from raycheckpoint._internal import exit as process_exit
 from raycheckpoint._internal import faults
 from raycheckpoint.errors import RayCheckpointError
 from raycheckpoint.integrity.verify import read_verified, verify_files
@@ -95,6 +95,7 @@ class CheckpointVerifier:
     """The Ray actor that verifies committed checkpoints of one root (see the module doc)."""
 
     def __init__(self, spec: StorageSpec) -> None:
+        process_exit.install()  # never hang in Ray's C++ teardown (_internal/exit.py)
         self.storage = spec.open()
 
     def verify(self, name: str) -> dict[str, Any]:
@@ -114,65 +115,3 @@ def start(spec: StorageSpec) -> Any:
 
     return ray.remote(CheckpointVerifier).options(num_cpus=0).remote(spec)
 
-
-class VerificationQueue:
-    """The coordinator's side: checkpoints due for verification, one verified at a time.
-
-    A checkpoint that falls due while another is verified waits; a newer one due replaces
-    it (the newest is what matters).  Results are recorded on storage under
-    ``commit_lock`` (never for a checkpoint deleted meanwhile) and kept for :meth:`take`.
-    """
-
-    def __init__(self, spec: StorageSpec, root: Any, commit_lock: threading.Lock, *,
-                 timeout_s: float) -> None:
-        self.spec, self.root, self.commit_lock, self.timeout_s = spec, root, commit_lock, timeout_s
-        self._cond = threading.Condition()
-        self._actor: Any = None
-        self._next: str | None = None
-        self._running = False
-        self._results: list[dict[str, Any]] = []
-
-    def due(self, name: str) -> None:
-        with self._cond:
-            self._next = name
-            if self._running:
-                return
-            self._running = True
-        threading.Thread(target=self._loop, daemon=True, name="raycheckpoint-verify").start()
-
-    def take(self) -> list[dict[str, Any]]:
-        with self._cond:
-            taken, self._results = self._results, []
-        return taken
-
-    def wait_idle(self, timeout: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._running, timeout)
-
-    def _loop(self) -> None:
-        import ray
-
-        while True:
-            with self._cond:
-                name, self._next = self._next, None
-                if name is None:
-                    self._running = False
-                    self._cond.notify_all()
-                    return
-            try:
-                if self._actor is None:
-                    self._actor = start(self.spec)
-                result = ray.get(self._actor.verify.remote(name), timeout=self.timeout_s)
-            except Exception as e:  # noqa: BLE001 - the verifier failed, not the checkpoint
-                logger.warning("background verification of %s could not run: %s", name, e)
-                self._actor = None  # started anew for the next one
-                continue
-            with self.commit_lock:
-                try:
-                    recorded = self.root.record_verification(name, result)
-                except Exception:
-                    logger.exception("recording the verification of %s failed", name)
-                    recorded = False
-            if recorded:
-                with self._cond:
-                    self._results.append(result)

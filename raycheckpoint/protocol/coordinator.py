@@ -39,8 +39,10 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from raycheckpoint._internal import exit as process_exit
 from raycheckpoint.errors import CheckpointSaveError, CommitTimeoutError
 from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol import catalog
@@ -48,8 +50,8 @@ from raycheckpoint.protocol.collect import Collector
 from raycheckpoint.protocol.commit import SaveRecord, commit
 from raycheckpoint.protocol.paths import step_dir_name, validate_tag
 from raycheckpoint.protocol.root import RootState
+from raycheckpoint.protocol.verification import VerificationQueue
 from raycheckpoint.storage import FileEntry, Storage, StorageSpec
-from raycheckpoint.verifier import VerificationQueue
 
 if TYPE_CHECKING:  # the job's config, handed down by the manager
     from raycheckpoint.config import CheckpointConfig
@@ -64,8 +66,10 @@ def actor_name(storage: Storage) -> str:
     return "coordinator-" + hashlib.sha256(storage.url().rstrip("/").encode()).hexdigest()[:16]
 
 
-def start(spec: StorageSpec, config: CheckpointConfig, lease_job_id: str | None) -> Any:
-    """Start the coordinator of ``spec``'s root as a named, threaded Ray actor."""
+def start(spec: StorageSpec, config: CheckpointConfig, lease_job_id: str | None,
+          verifier: Callable[[StorageSpec], Any] | None = None) -> Any:
+    """Start the coordinator of ``spec``'s root as a named, threaded Ray actor;
+    ``verifier(spec)`` starts the background verifier when a verification is due."""
     import ray
 
     name = actor_name(spec.open())
@@ -74,7 +78,7 @@ def start(spec: StorageSpec, config: CheckpointConfig, lease_job_id: str | None)
         try:
             return ray.remote(CheckpointCoordinator).options(
                 name=name, namespace=NAMESPACE, max_concurrency=64,
-                num_cpus=0).remote(spec, config, lease_job_id=lease_job_id)
+                num_cpus=0).remote(spec, config, lease_job_id=lease_job_id, verifier=verifier)
         except ValueError as e:  # the name is held: a previous coordinator still shutting down
             if time.monotonic() > deadline:
                 raise RuntimeError(
@@ -85,7 +89,9 @@ def start(spec: StorageSpec, config: CheckpointConfig, lease_job_id: str | None)
 
 class CheckpointCoordinator:
     def __init__(self, storage: StorageSpec, config: CheckpointConfig, *, recover: bool = True,
-                 lease_job_id: str | None = None) -> None:
+                 lease_job_id: str | None = None,
+                 verifier: Callable[[StorageSpec], Any] | None = None) -> None:
+        process_exit.install()  # never hang in Ray's C++ teardown (_internal/exit.py)
         self.spec = storage
         self.storage = storage.open()
         self.config = config
@@ -100,7 +106,8 @@ class CheckpointCoordinator:
         self.recovery = self._recover() if recover else {}
         self._commits = 0
         self._verifications = VerificationQueue(self.spec, self.root, self._commit_lock,
-                                                timeout_s=config.save_wait_timeout_s)
+                                                timeout_s=config.save_wait_timeout_s,
+                                                start=verifier)
 
     def _recover(self, *, dry_run: bool = False, leftover_grace_s: float = 0.0) -> dict[str, Any]:
         with self._commit_lock:
