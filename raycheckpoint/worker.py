@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from raycheckpoint._internal import exit as process_exit
 from raycheckpoint._internal import faults, rpc
 from raycheckpoint._internal.dcp.load import load_verified
 from raycheckpoint._internal.dcp.read_ahead import overlapping_ranks
@@ -129,7 +130,16 @@ class CheckpointableWorker:
                                       storage=storage, process_group=process_group,
                                       report_timeout_s=report_timeout_s,
                                       persist_nice=persist_nice)
+        if not getattr(self, "_ckpt_exit_hooked", False):
+            # this process ends by os._exit once its persist is over (_internal/exit.py)
+            process_exit.install()
+            process_exit.on_exit(self._ckpt_close)
+            self._ckpt_exit_hooked = True
         self._ckpt_saver.writes_ahead = write_ahead
+
+    def _ckpt_close(self, timeout: float) -> None:
+        if self._ckpt_saver is not None:
+            self._ckpt_saver.close(timeout)
 
     def _saver(self) -> ShardSaver:
         if self._ckpt_saver is None:
@@ -360,6 +370,14 @@ class CheckpointableWorker:
             skipped.append(f"{self.ckpt_role}/{self.ckpt_rank}: per-rank RNG (world size changed "
                            f"{request['saved_world_size']} -> {self.ckpt_world_size})")
         return skipped
+
+
+def install_clean_exit() -> None:
+    """Make this Ray actor's process end by ``os._exit`` once its own cleanups ran, never in
+    Ray's C++ worker teardown, and end it when its raylet is gone (see
+    ``raycheckpoint/_internal/exit.py``).  ``ckpt_setup`` does this; an actor calls it in
+    its constructor to have it from the start.  Outside a Ray actor it does nothing."""
+    process_exit.install()
 
 
 def local_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:

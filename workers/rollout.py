@@ -26,7 +26,7 @@ from typing import Any
 import ray
 import torch
 
-from raycheckpoint.worker import CheckpointableWorker
+from raycheckpoint.worker import CheckpointableWorker, install_clean_exit
 from workers.models import EOS, PAD, build_causal_lm, build_tokenizer, state_sha256, token_logprobs
 
 
@@ -152,6 +152,7 @@ class RolloutWorker(CheckpointableWorker):
                              f"got {engine!r}")
         torch.set_num_threads(1)
         self.role, self.rank, self.world_size = role, rank, world_size
+        install_clean_exit()  # never hang in Ray's C++ teardown
         self.engine_name, self.temperature, self.max_new_tokens = engine, temperature, max_new_tokens
         self.engine = ENGINES[engine](dict(model or {}), seed, rank, temperature, max_new_tokens)
 

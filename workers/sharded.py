@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from raycheckpoint.worker import CheckpointableWorker, StateDictCache
+from raycheckpoint.worker import CheckpointableWorker, StateDictCache, install_clean_exit
 from workers.group import init_process_group
 from workers.models import ValueModel, build_causal_lm, decoder_layers, hf_assets, state_sha256
 
@@ -34,6 +34,7 @@ class ShardedModelWorker(CheckpointableWorker):
                  seed: int = 0, trainable: bool = True, value_model: bool = False,
                  optim: dict | None = None) -> None:
         self.role, self.rank, self.world_size = role, rank, world_size
+        install_clean_exit()  # never hang in Ray's C++ teardown
         init_process_group(rank=rank, world_size=world_size, master_addr=master_addr,
                            master_port=master_port, timeout_s=timeout_s)
         self.net, layers = self.build_model(dict(model or {}), seed, value_model)

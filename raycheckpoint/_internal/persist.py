@@ -149,6 +149,10 @@ class PendingPersist:
     def done(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None and self._thread.ident is not None
+
     def finish(self) -> None:
         """The persist is over (its files and error are set): waiters go on."""
         self._done.set()

@@ -141,6 +141,16 @@ class ShardSaver:
         if early is not None:
             early.end(self.storage)
 
+    def close(self, timeout: float) -> None:
+        """At process exit: wait at most ``timeout`` for a running persist.  One never
+        started is dropped: its save cannot commit without this rank, and its files are
+        collected like any aborted save's."""
+        pending = self.pending
+        if pending is None or not pending.started or pending.wait_done(timeout):
+            return
+        log.warning("%s/%s: exiting while save %s still persists; it will not commit",
+                       self.role, self.rank, pending.save_id)
+
     def wait_previous(self, timeout: float) -> None:
         """Wait for the previous persist; its error was already reported to the coordinator.
 
