@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from drivers.metrics import read_metrics
@@ -66,7 +67,7 @@ def ray_head():
             agent = "".join(p.read_text()[-1500:] for p in sorted(logs.glob("dashboard_agent*")))
             raise RuntimeError(f"Ray head did not come up: {probe.stderr[-1000:]}\n{agent}")
         time.sleep(1)
-    yield {"address": address, "gcs": f"127.0.0.1:{gcs}", "env": env}
+    yield {"address": address, "gcs": f"127.0.0.1:{gcs}", "env": env, "temp": temp}
     head.send_signal(signal.SIGTERM)  # --block: ends every process it started
     try:
         head.wait(timeout=60)
@@ -185,6 +186,22 @@ def test_external_save_request_and_sigterm_emergency_save(ray_head, tmp_path):
     name = f"step_{last:08d}"
     assert st.exists(f"{name}/{COMMITTED}")
     assert st.read_bytes(LATEST).decode().strip() == name
+    # nothing of the job outlives it: its driver and every actor ran in the job's working
+    # directory, under the head's session directory (matched by directory, never by name)
+    jobs = os.path.join(ray_head["temp"], "session_latest", "runtime_resources")
+    jobs = os.path.realpath(jobs)
+    deadline = time.time() + 30
+    while (left := [p.pid for p in psutil.process_iter() if _cwd_under(p, jobs)]) and (
+            time.time() < deadline):
+        time.sleep(1)
+    assert not left, f"processes of the stopped job still running: {left}"
+
+
+def _cwd_under(p: psutil.Process, root: str) -> bool:
+    try:
+        return p.cwd().startswith(root + os.sep)
+    except psutil.Error:
+        return False
 
 
 @pytest.mark.long  # ~100 s; config_diff is unit-tested and resharded loads run in test_save_load
