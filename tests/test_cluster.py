@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,9 @@ def test_ray_up_over_ssh_to_loopback_runs_and_resumes_the_job(tmp_path):
     config["file_mounts"] = {}
     config["setup_commands"] = []
     config["head_start_ray_commands"][-1] += " --num-cpus=8"
+    # ray's ssh control socket lives in the host's /tmp, named after the cluster: a name
+    # of its own keeps two runs on one machine from sharing a connection
+    config["cluster_name"] += "-" + uuid.uuid4().hex[:8]
     check(config)
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(yaml.safe_dump(config))

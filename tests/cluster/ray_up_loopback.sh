@@ -14,16 +14,19 @@ source "$REPO/tests/cluster/end_processes.sh"
 trap end_processes EXIT  # what `ray down` left (agents, workers) ends before WORK is removed
 ip link set lo up
 export HOME="$WORK/home"
-mkdir -p "$HOME/.ssh" "$WORK/tmp-ray" "$WORK/ssh" /tmp/ray /run/sshd
+CLUSTER_RAY=/tmp/raycheckpoint-ray-$(id -u)  # where deploy/cluster-local.yaml's Ray lives
+mkdir -p "$HOME/.ssh" "$WORK/tmp-ray" "$WORK/cluster-ray" "$WORK/ssh" /tmp/ray "$CLUSTER_RAY" /run/sshd
 sed "s#^root:\([^:]*\):0:0:\([^:]*\):[^:]*:#root:\1:0:0:\2:$HOME:#" /etc/passwd > "$WORK/passwd"
 mount --bind "$WORK/passwd" /etc/passwd
 mount --bind "$WORK/tmp-ray" /tmp/ray
+mount --bind "$WORK/cluster-ray" "$CLUSTER_RAY"
 ssh-keygen -q -t ed25519 -N '' -f "$WORK/ssh/host_key"
 ssh-keygen -q -t ed25519 -N '' -f "$HOME/.ssh/id_ed25519"
 cp "$HOME/.ssh/id_ed25519.pub" "$HOME/.ssh/authorized_keys"
 chmod 700 "$HOME/.ssh"; chmod 600 "$HOME/.ssh/authorized_keys"
-# a non-interactive ssh shell must find `ray` and this project's Python
-echo "export PATH=\"$VENV_BIN:\$PATH\"" > "$HOME/.bashrc"
+# a non-interactive ssh shell must find `ray` and this project's Python, and
+# deploy/bin/ray first, as the config's setup_commands arrange on a real node
+echo "export PATH=\"$REPO/deploy/bin:$VENV_BIN:\$PATH\"" > "$HOME/.bashrc"
 cat > "$WORK/ssh/sshd_config" <<CFG
 ListenAddress 127.0.0.1
 Port 22
@@ -50,10 +53,20 @@ step() {  # step NAME COMMAND...: output to $WORK/NAME.log; its tail if it fails
   echo "== $name: $((SECONDS - start)) s"
 }
 submit() { ray job submit --address http://127.0.0.1:8265 --working-dir . -- "${JOB[@]}" "$@"; }
+# someone else's Ray on the same machine: `ray down` must leave it running
+# (at Ray's default /tmp/ray, a private directory here; on ports of its own)
+step other ray start --head --port=6390 --num-cpus=1 --include-dashboard=false \
+  --dashboard-port=8266 --ray-client-server-port=9002 --dashboard-agent-listen-port=52366 \
+  --min-worker-port=20000 --max-worker-port=20999
+OTHER=$(pgrep -f "gcs_server.*--gcs_server_port=6390" | head -1)
+[ -n "$OTHER" ] || { echo "the other Ray's gcs_server not found"; exit 1; }
 step up1 ray up -y --no-config-cache "$CONFIG"
 step job1 submit trainer.total_training_steps=4
 step down1 ray down -y "$CONFIG"
-if ray status --address 127.0.0.1:6379 > /dev/null 2>&1; then echo "cluster still up after ray down"; exit 1; fi
+if ray status --address 127.0.0.1:6379 > /dev/null 2>&1; then echo "cluster still up after ray down"; ps -eo pid,ppid,args | cut -c1-200; exit 1; fi
+kill -0 "$OTHER" || { echo "ray down ended another Ray on the machine (gcs_server $OTHER)"; exit 1; }
+ray status --address 127.0.0.1:6390 > /dev/null || { echo "the other Ray no longer answers"; exit 1; }
+echo "== other Ray still up after ray down: gcs_server $OTHER"
 raycheckpoint ls "$CKPT" --json > "$WORK/ls1.json"
 step up2 ray up -y --no-config-cache "$CONFIG"
 step job2 submit trainer.total_training_steps=6
