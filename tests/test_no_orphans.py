@@ -32,6 +32,8 @@ SETTLE_S = 30.0
 JOB = ["trainer.n_gpus_per_node=1", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
        "trainer.total_training_steps=8", "trainer.save_freq=1", "trainer.step_delay_s=0.3"]
 TALLY = {"runs": 0, "kills": 0, "left": 0}
+# the job runs ~25 s here: Ray and the workers start, then a save every step
+KILL_WINDOW_S = (2.0, 26.0)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -128,7 +130,7 @@ def run_driver(tmp_path: Path, kill_after: float | None) -> tuple[list[str], str
 def _check(tmp_path: Path, kill_after: float | None) -> None:
     left, ended = run_driver(tmp_path, kill_after)
     TALLY["runs"] += 1
-    TALLY["kills"] += kill_after is not None
+    TALLY["kills"] += ended.startswith("SIGKILLed")
     TALLY["left"] += len(left)
     tail = (tmp_path / "driver.log").read_text()[-2000:]
     assert not left, f"driver {ended}; left after {SETTLE_S:.0f}s: {left}\n{tail}"
@@ -140,16 +142,16 @@ def test_a_job_that_ends_normally_leaves_nothing(tmp_path):
 
 
 # a handful here, 20 more with the long tests; the delays span the start (Ray, workers),
-# the first saves and the last steps
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# the saves and the last steps (a driver that ends first counts as a run, not a kill)
+@pytest.mark.parametrize("seed", [1, 5, 9])  # after 5.2, 16.9 and 9.8 s
 def test_a_killed_driver_leaves_nothing(tmp_path, seed):
-    _check(tmp_path, random.Random(seed).uniform(2.0, 40.0))
+    _check(tmp_path, random.Random(seed).uniform(*KILL_WINDOW_S))
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("seed", range(3, 23))
+@pytest.mark.parametrize("seed", [s for s in range(23) if s not in (1, 5, 9)])
 def test_a_killed_driver_leaves_nothing_20_more(tmp_path, seed):
-    _check(tmp_path, random.Random(seed).uniform(2.0, 40.0))
+    _check(tmp_path, random.Random(seed).uniform(*KILL_WINDOW_S))
 
 
 def test_a_worker_whose_raylet_is_gone_ends_within_seconds(tmp_path):
