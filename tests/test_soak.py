@@ -36,12 +36,14 @@ def _settled_own_threads(actor, at_most: int, timeout_s: float = 30.0) -> int:
     """The actor's live raycheckpoint-* threads (commit, persist, lease), once settled.
 
     A save's commit thread sends the commit broadcast after ``wait`` returns, so it may
-    still be alive for a moment; a leak never settles.
+    still be alive for a moment; a leak never settles.  The exit watchdog
+    (``_internal/exit.py``: one per process, for the process's life) is not a save's.
     """
     deadline = time.monotonic() + timeout_s
     while True:
         n = ray.get(actor.__ray_call__.remote(lambda self: sum(
-            t.name.startswith("raycheckpoint-") for t in threading.enumerate())), timeout=60)
+            t.name.startswith("raycheckpoint-") and t.name != "raycheckpoint-exit-watch"
+            for t in threading.enumerate())), timeout=60)
         if n <= at_most or time.monotonic() > deadline:
             return n
         time.sleep(0.2)
