@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import torch
 
-from workers.models import BOS, PAD
+from workers.models import PAD
 
 
-def build_batch(prompts: list[list[int]], responses: list[list[int]], n: int) -> dict[str, torch.Tensor]:
-    """Sequences ``[BOS] + prompt + response`` padded right; masks for attention and response.
+def build_batch(prompts: list[list[int]], responses: list[list[int]], n: int,
+                pad: int = PAD) -> dict[str, torch.Tensor]:
+    """Sequences ``prompt + response`` padded right with ``pad``; masks for attention and
+    response.
 
-    ``responses`` holds ``n`` consecutive responses per prompt.  ``response_mask[:, t]``
+    ``prompts`` are the token ids the rollout received (BOS first when the tokenizer has
+    one); ``responses`` holds ``n`` consecutive responses per prompt.  ``response_mask[:, t]``
     is 1 where position ``t`` predicts a response token (shape (N, T-1)).
     """
-    rows = [[BOS, *prompts[i // n], *r] for i, r in enumerate(responses)]
+    rows = [[*prompts[i // n], *r] for i, r in enumerate(responses)]
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
     response = torch.zeros((len(rows), width - 1), dtype=torch.long)
     for i, row in enumerate(rows):
         ids[i, :len(row)] = torch.tensor(row)
         attention[i, :len(row)] = 1
-        start = 1 + len(prompts[i // n])
+        start = len(prompts[i // n])
         response[i, start - 1:len(row) - 1] = 1
     return {"input_ids": ids, "attention_mask": attention, "response_mask": response}
 

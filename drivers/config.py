@@ -15,6 +15,9 @@ DEFAULTS: dict[str, Any] = {
     "algorithm.adv_estimator": "grpo",          # grpo | gae (PPO with a critic)
     "algorithm.gamma": 1.0,
     "algorithm.lam": 0.95,
+    "actor_rollout_ref.model.path": None,       # a Hugging Face directory (config, safetensors,
+                                                # tokenizer) for actor, reference and rollout;
+                                                # null: a small model built from the keys below
     "actor_rollout_ref.model.arch": "llama",    # llama | qwen2
     "actor_rollout_ref.model.hidden_size": 64,
     "actor_rollout_ref.model.intermediate_size": 128,
@@ -24,24 +27,40 @@ DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref.actor.optim.end_factor": 0.5,   # linear LR decay to lr * end_factor
     "actor_rollout_ref.actor.clip_ratio": 0.2,
     "actor_rollout_ref.actor.kl_loss_coef": 0.01,
+    "actor_rollout_ref.actor.use_kl_loss": True,   # false: no KL term (kl_loss_coef ignored)
+    "actor_rollout_ref.actor.fsdp_config.param_offload": False,      # refused when true
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": False,  # refused when true
+    "actor_rollout_ref.actor.checkpoint.save_contents": ["model", "optimizer", "extra"],
+    "actor_rollout_ref.actor.checkpoint.load_contents": ["model", "optimizer", "extra"],
     "actor_rollout_ref.rollout.name": "hf",     # hf | vllm
     "actor_rollout_ref.rollout.n": 4,
     "actor_rollout_ref.rollout.temperature": 1.0,
     "actor_rollout_ref.rollout.response_length": 8,
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,   # vllm on cuda
+    "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5,     # vllm on cuda
+    "critic.model.path": None,                  # null: the actor's model with a value head
     "critic.optim.lr": 0.01,
+    "reward_model.model.path": None,            # null: the actor's model with a value head
     "reward_model.rm_coef": 0.1,
     "data.train_files": None,                   # default: generated under default_local_dir
     "data.train_batch_size": 8,
     "data.num_prompts": 256,
     "data.num_targets": 4,
     "data.seed": 0,
+    "trainer.total_epochs": 1,                  # used when total_training_steps is null
     "trainer.total_training_steps": 10,
     "trainer.save_freq": 5,                     # full checkpoint every N steps (-1: never)
     "trainer.default_local_dir": "./checkpoints/grpo",
     "trainer.resume_mode": "auto",              # auto | disable | resume_path
     "trainer.resume_from_path": None,
+    "trainer.max_actor_ckpt_to_keep": None,     # full checkpoints kept (null: the library's rule)
+    "trainer.max_critic_ckpt_to_keep": None,    # the same checkpoints: must equal the actor's
+    "trainer.del_local_ckpt_after_load": False,  # refused when true
+    "trainer.default_hdfs_dir": None,           # refused: give an fsspec URI in default_local_dir
     "trainer.seed": 0,
     "trainer.debug": False,                     # print a resume report when resuming
+    "trainer.device": "auto",                   # auto | cuda | cpu (auto: cuda where GPUs are)
+    "trainer.colocate": False,                  # rank i of every role on GPU i (hybrid engine)
     "trainer.n_gpus_per_node": 2,
     "trainer.nnodes": 1,
     "trainer.worker_resources": None,           # JSON dict: custom resources per worker actor;
@@ -101,7 +120,8 @@ def from_mapping(config: dict[str, Any]) -> dict[str, Any]:
     def walk(d: dict[str, Any], prefix: str) -> None:
         for k, v in d.items():
             key = f"{prefix}{k}"
-            if isinstance(v, dict) and key != "trainer.storage_options":
+            if isinstance(v, dict) and key not in ("trainer.storage_options",
+                                                   "trainer.worker_resources"):
                 walk(v, key + ".")
             else:
                 flat[key] = v

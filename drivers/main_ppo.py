@@ -12,6 +12,7 @@ full save and exits; ``python -m raycheckpoint.request ROOT --tag T`` saves from
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import posixpath
@@ -25,9 +26,10 @@ import ray
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from drivers import algos, data
+from drivers import algos, data, verl_keys
 from drivers._ray import init_ray
-from drivers.config import from_mapping, parse_overrides, section, storage_options
+from drivers.config import from_mapping, parse_overrides, storage_options
+from drivers.groups import RPC, start_groups
 from raycheckpoint import (
     CheckpointConfig,
     CheckpointManager,
@@ -39,12 +41,7 @@ from raycheckpoint import (
     Storage,
 )
 from raycheckpoint.resume import preflight
-from workers.group import Placement, place_ranks, start_ranks
-from workers.models import BOS, encode
-from workers.roles import CriticWorker, PolicyWorker, RewardWorker
-from workers.rollout import RolloutWorker
-
-RPC = 600.0
+from workers.models import Vocab, check_model_dir
 
 
 class DataState:
@@ -62,55 +59,16 @@ class DataState:
         self.sampler.load_state_dict(state["sampler"])
 
 
-def start_groups(opts: dict[str, Any], world: int) -> dict[str, list[Any]]:
-    model = section(opts, "actor_rollout_ref.model.")
-    seed = opts["trainer.seed"]
-    steps = opts["trainer.total_training_steps"]
-    specs: dict[str, tuple[Any, dict[str, Any]]] = {
-        "actor": (PolicyWorker, {"model": model, "seed": seed, "trainable": True,
-                                 "optim": {"lr": opts["actor_rollout_ref.actor.optim.lr"],
-                                           "end_factor": opts["actor_rollout_ref.actor.optim.end_factor"],
-                                           "total_steps": steps}}),
-        "reference": (PolicyWorker, {"model": model, "seed": seed, "trainable": False}),
-        "reward": (RewardWorker, {"model": model, "seed": seed + 1000, "trainable": False,
-                                  "value_model": True}),
-        "rollout": (RolloutWorker, {"model": model, "seed": seed,
-                                    "engine": opts["actor_rollout_ref.rollout.name"],
-                                    "temperature": opts["actor_rollout_ref.rollout.temperature"],
-                                    "max_new_tokens": opts["actor_rollout_ref.rollout.response_length"]}),
-    }
-    if opts["algorithm.adv_estimator"] == "gae":
-        specs["critic"] = (CriticWorker, {"model": model, "seed": seed + 2000, "trainable": True,
-                                          "value_model": True,
-                                          "optim": {"lr": opts["critic.optim.lr"], "total_steps": steps}})
-    groups = {}
-    for role, (cls, kwargs) in specs.items():  # start every actor first, then wait for all
-        groups[role] = start_ranks(cls, place_group(opts, world), role=role, world_size=world,
-                                   timeout_s=RPC, num_cpus=opts["trainer.cpus_per_worker"],
-                                   **kwargs)
-    ready = ray.get([w.ready.remote() for ws in groups.values() for w in ws], timeout=RPC)
-    nodes = sorted({r["node_id"] for r in ready})
-    print(f"worker groups placed on {len(nodes)} node(s): " + "; ".join(
-        f"{role}: " + ",".join(str(nodes.index(r["node_id"])) for r in ready if r["role"] == role)
-        for role in groups), flush=True)
-    return groups
-
-
-def place_group(opts: dict[str, Any], world: int) -> Placement:
-    """One role's ranks: on this node, or (``trainer.worker_resources``) in a placement
-    group of ``world`` bundles whose process-group master is rank 0's node."""
-    res = opts["trainer.worker_resources"]
-    res = json.loads(res) if isinstance(res, str) else dict(res or {})
-    return place_ranks(world, resources=res, num_cpus=opts["trainer.cpus_per_worker"],
-                       strategy=opts["trainer.placement_strategy"], timeout_s=RPC)
-
-
 def fingerprint(opts: dict[str, Any], data_sha: int, rows: int) -> dict[str, Any]:
     """What must not change across a strict resume (seed 003's checklist)."""
     keep = ("actor_rollout_ref.model.", "algorithm.", "actor_rollout_ref.rollout.",
             "actor_rollout_ref.actor.", "critic.", "reward_model.", "data.train_batch_size",
             "trainer.seed")
-    fp = {k: v for k, v in opts.items() if k.startswith(keep)}
+    # where the job runs and what its checkpoints hold are not the training's identity:
+    # a checkpoint saved on cuda resumes on cpu (device-free on storage)
+    free = ("actor_rollout_ref.actor.checkpoint.", "actor_rollout_ref.rollout.gpu_memory_utilization",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size")
+    fp = {k: v for k, v in opts.items() if k.startswith(keep) and not k.startswith(free)}
     fp["data.sha256"], fp["data.rows"] = data_sha, rows
     return fp
 
@@ -174,25 +132,33 @@ class Trainer:
         self.world = opts["trainer.n_gpus_per_node"] * opts["trainer.nnodes"]
         self.n = opts["actor_rollout_ref.rollout.n"]
         self.batch_size = opts["data.train_batch_size"]
+        verl_keys.validate(opts)
         if self.batch_size % self.world:
             raise SystemExit(f"error: data.train_batch_size={self.batch_size} must be a multiple "
                              f"of the world size {self.world}")
         self.data_path = opts["data.train_files"] or f"{self.root}/data/train.jsonl"
         self.rows, data_sha = data.load_or_generate(self.data_path, self.storage_options,
                                                     **dataset_args(opts))
-        ck = {"save_dir": self.root, "storage_options": self.storage_options,
-              "save_full_interval": opts["trainer.save_freq"] if opts["trainer.save_freq"] > 0 else None,
-              "resume_mode": opts["trainer.resume_mode"], "resume_from": opts["trainer.resume_from_path"],
-              "debug": opts["trainer.debug"],
-              **{k: v for k, v in opts.items() if k.startswith("checkpoint.")}}
-        self.ckpt_config = CheckpointConfig.from_dict({k: v for k, v in ck.items() if v is not None})
+        self.total_steps = verl_keys.total_steps(opts, len(self.rows) // self.batch_size)
+        for key in ("actor_rollout_ref.model.path", "critic.model.path", "reward_model.model.path"):
+            if opts[key]:
+                try:
+                    check_model_dir(opts[key], key)
+                except FileNotFoundError as e:
+                    raise SystemExit(f"error: {e}") from None
+        self.vocab = Vocab(opts["actor_rollout_ref.model.path"])
+        self.ckpt_config = CheckpointConfig.from_dict(
+            {"save_dir": self.root, "storage_options": self.storage_options,
+             **verl_keys.checkpoint_settings(opts)})
         self.fingerprint = fingerprint(opts, data_sha, len(self.rows))
         roles = roles_of(opts)
         self.resume_ref = None
-        if opts["trainer.resume_mode"] != "disable":
+        if self.ckpt_config.resume_mode != "disable":
             # refuse a mismatched resume before starting a single worker
-            self.resume_ref = ("auto" if opts["trainer.resume_mode"] == "auto"
-                               else opts["trainer.resume_from_path"])
+            self.resume_ref = ("auto" if self.ckpt_config.resume_mode == "auto"
+                               else self.ckpt_config.resume_from)
+            if self.resume_ref is None:
+                raise SystemExit("error: resume_mode=resume_path needs trainer.resume_from_path")
             preflight(Storage(self.root, self.storage_options), self.resume_ref, self.fingerprint,
                       dict.fromkeys(roles, self.world), allow_reshard=self.ckpt_config.allow_reshard)
         self.sampler = ResumableSampler(len(self.rows), seed=opts["data.seed"])
@@ -205,7 +171,10 @@ class Trainer:
     def start(self) -> None:
         """Start (or join) Ray, the worker groups and the checkpoint manager."""
         init_ray()
-        self.groups = start_groups(self.opts, self.world)
+        self.groups, device = start_groups(self.opts, roles_of(self.opts), self.world, self.total_steps)
+        if device == "cuda" and "checkpoint.overlap_copy" not in self.opts:
+            # on GPUs the device-to-host copy runs on its stream beside the next step
+            self.ckpt_config = dataclasses.replace(self.ckpt_config, overlap_copy=True)
         self.manager = CheckpointManager(
             self.ckpt_config, self.groups, dataloader=DataState(self.sampler),
             fingerprint=self.fingerprint,
@@ -227,13 +196,13 @@ class Trainer:
         return actor
 
     def rollout_and_score(self, rows: list[dict[str, Any]]):
-        prompts = [encode(r["prompt"]) for r in rows]
+        prompts = [self.vocab.prompt_ids(r["prompt"]) for r in rows]
         rollout = self.groups["rollout"]
         chunk = len(prompts) // len(rollout)
-        outs = ray.get([w.generate.remote([[BOS, *p] for p in prompts[i * chunk:(i + 1) * chunk]], self.n)
+        outs = ray.get([w.generate.remote(prompts[i * chunk:(i + 1) * chunk], self.n)
                         for i, w in enumerate(rollout)], timeout=RPC)
         responses = [r for out in outs for r in out]
-        batch = algos.build_batch(prompts, responses, self.n)
+        batch = algos.build_batch(prompts, responses, self.n, pad=self.vocab.pad)
         targets = [rows[i // self.n]["target"] for i in range(len(responses))]
         scored = ray.get(per_rank(self.groups["reward"], "score", batch,
                                   {"responses": responses, "targets": targets},
@@ -261,7 +230,8 @@ class Trainer:
         upd = ray.get(per_rank(self.groups["actor"], "update", batch,
                                {"advantages": adv, "ref_logprobs": ref_lp},
                                clip=o["actor_rollout_ref.actor.clip_ratio"],
-                               kl_coef=o["actor_rollout_ref.actor.kl_loss_coef"]), timeout=RPC)
+                               kl_coef=o["actor_rollout_ref.actor.kl_loss_coef"]
+                               if o["actor_rollout_ref.actor.use_kl_loss"] else 0.0), timeout=RPC)
         self.sync_rollout()
         out.update(loss=sum(u["loss"] for u in upd) / len(upd), kl=sum(u["kl"] for u in upd) / len(upd),
                    reward=float(rewards.mean()), rule_reward=sum(rule) / len(rule), lr=upd[0]["lr"])
@@ -307,7 +277,7 @@ class Trainer:
         if start:
             sha = self.check_rollout_synced()
             self.events.append(f"rollout weights re-synced from actor: sha256 {sha}")
-        total = o["trainer.total_training_steps"]
+        total = self.total_steps
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
             out = self.train_step()

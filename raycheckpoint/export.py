@@ -163,9 +163,12 @@ class RoleReader:
         return self.storage.cipher.decrypt_range(
             rel, lambda a, b: self.storage.read_bytes(rel, a, b), self.files[rel].size, start, end)
 
-    def iter_model(self, progress: Callable[[int], None] | None = None
+    def iter_model(self, progress: Callable[[int], None] | None = None,
+                   skip: frozenset[str] = frozenset()
                    ) -> Iterator[tuple[str, TensorInfo, torch.Tensor]]:
         for info in self.model_tensors():
+            if info.name[len(MODEL_PREFIX):] in skip:
+                continue
             tensor = self.read(info)
             if progress is not None:
                 progress(info.nbytes)
@@ -178,9 +181,11 @@ class RoleReader:
 
 
 def write_safetensors(path: str, reader: RoleReader,
-                      progress: Callable[[int], None] | None = None) -> int:
-    """Stream the role's model tensors into a safetensors file; returns the tensors written."""
-    infos = reader.model_tensors()
+                      progress: Callable[[int], None] | None = None,
+                      skip: frozenset[str] = frozenset()) -> int:
+    """Stream the role's model tensors (but ``skip``) into a safetensors file; returns the
+    tensors written."""
+    infos = [i for i in reader.model_tensors() if i.name[len(MODEL_PREFIX):] not in skip]
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for info in infos:
@@ -195,7 +200,7 @@ def write_safetensors(path: str, reader: RoleReader,
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
-        for _, _info, tensor in reader.iter_model(progress):
+        for _, _info, tensor in reader.iter_model(progress, skip):
             data = tensor.contiguous().view(torch.uint8).numpy() if tensor.numel() else b""
             f.write(memoryview(data))
             del tensor
@@ -249,7 +254,11 @@ def export(ck: VerifiedCheckpoint, out: str, *, fmt: str, role: str = "actor", f
                     progress(len(data))
                 with open(os.path.join(tmp, name), "wb") as f:
                     f.write(data)
-            count = write_safetensors(os.path.join(tmp, "model.safetensors"), reader, progress)
+            config = json.loads(read_verified(ck.storage, assets["config.json"],
+                                              ck.manifest.files[assets["config.json"]]))
+            # tied output embeddings are one tensor: saved once, as save_pretrained does
+            tied = frozenset({"lm_head.weight"} if config.get("tie_word_embeddings") else ())
+            count = write_safetensors(os.path.join(tmp, "model.safetensors"), reader, progress, tied)
             _publish_dir(tmp, out, force)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

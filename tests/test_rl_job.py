@@ -1,7 +1,7 @@
 """The RL job end to end, submitted with ``ray job submit`` to a Ray head this module starts.
 
-The head is a child process (``ray start --head --block``) on 127.0.0.1, ended by its
-PID.  Jobs run ``python -m drivers.main_ppo`` with one rank per role to keep the suite
+The head (:mod:`tests.ray_head`) is a child process on 127.0.0.1, ended by its PID.
+Jobs run ``python -m drivers.main_ppo`` with one rank per role to keep the suite
 quick; multi-rank groups are covered by the Ray integration tests.
 """
 
@@ -10,11 +10,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,67 +21,24 @@ import pytest
 from drivers.metrics import read_metrics
 from raycheckpoint import ConfigMismatchError, Storage
 from raycheckpoint.protocol.paths import COMMITTED, LATEST
-from workers.group import free_port
+from tests.ray_head import RAY, REPO, submit_job
+from tests.ray_head import ray_head as start_head
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[1]
-RAY = str(Path(sys.executable).with_name("ray"))
 BASE = ["trainer.n_gpus_per_node=1", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4"]
 
 
 @pytest.fixture(scope="module")
 def ray_head():
-    temp = tempfile.mkdtemp(prefix="rchead-", dir="/tmp")
-    gcs, dash = free_port(), free_port()
-    # every port explicit: agents of a SIGKILLed local driver elsewhere may hold the defaults
-    ports = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-             f"--ray-client-server-port={free_port()}"]
-    # token authentication on, explicitly: the head and every client (job CLI, drivers,
-    # request tool) use the token in ~/.ray, made here if this machine has none yet
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_JOB_STOP_WAIT_TIME_S": "60"}
-    if not (Path.home() / ".ray" / "auth_token").exists():
-        subprocess.run([RAY, "get-auth-token", "--generate"], env=env, check=True,
-                       capture_output=True, timeout=60)
-    head = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-         "--num-cpus=8", f"--temp-dir={temp}", "--disable-usage-stats", *ports],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    address = f"http://127.0.0.1:{dash}"
-    deadline = time.time() + 120
-    while True:
-        # ready when a job can be submitted: the job agent comes up after the job server
-        probe = subprocess.run([RAY, "job", "submit", "--address", address, "--",
-                                sys.executable, "-c", "pass"], capture_output=True,
-                               text=True, timeout=120, env=env)
-        if probe.returncode == 0:
-            break
-        if time.time() > deadline or head.poll() is not None:
-            head.kill()
-            logs = Path(temp, "session_latest", "logs")
-            agent = "".join(p.read_text()[-1500:] for p in sorted(logs.glob("dashboard_agent*")))
-            raise RuntimeError(f"Ray head did not come up: {probe.stderr[-1000:]}\n{agent}")
-        time.sleep(1)
-    yield {"address": address, "gcs": f"127.0.0.1:{gcs}", "env": env, "temp": temp}
-    head.send_signal(signal.SIGTERM)  # --block: ends every process it started
-    try:
-        head.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait(timeout=30)
-    shutil.rmtree(temp, ignore_errors=True)
+    with start_head() as head:
+        yield head
 
 
 def submit(head, args: list[str], *, wait: bool = True, timeout: float = 600,
            module: str = "drivers.main_ppo", base: list[str] | None = None):
-    cmd = [RAY, "job", "submit", "--address", head["address"], "--working-dir", str(REPO)]
-    if not wait:
-        cmd.append("--no-wait")
-    cmd += ["--", sys.executable, "-m", module, *(BASE if base is None else base), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env=head["env"])
+    return submit_job(head, [*(BASE if base is None else base), *args], wait=wait,
+                      timeout=timeout, module=module)
 
 
 def metrics(root: Path) -> dict[int, dict]:

@@ -1,6 +1,6 @@
 """Worker groups: W Ray actors forming one process group.
 
-A "GPU" here is one rank; on CPU each rank is one gloo process.  Locally the ranks run
+One rank per GPU (or one gloo process per rank on CPU).  Locally the ranks run
 where Ray puts them on this node and meet on 127.0.0.1; with per-rank resources (a
 cluster) they get a placement group and meet at rank 0's node (:func:`place_ranks`).
 Every wait has a timeout, so a rank that dies cannot leave the others blocked forever.
@@ -8,6 +8,7 @@ Every wait has a timeout, so a rank that dies cannot leave the others blocked fo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Callable
@@ -52,45 +53,62 @@ class Placement:
     master_port: int
     options: Callable[[int], dict[str, Any]] = field(default=lambda rank: {})
     placement_group: Any = None
+    master_node: str | None = None
 
     def remove(self) -> None:
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None
 
+    def another_group(self, timeout_s: float = 120.0) -> Placement:
+        """The same places for another process group (colocated roles: rank i of every role
+        in bundle i): a fresh master port on rank 0's node; the placement group stays
+        owned by this placement."""
+        if self.master_node is None:
+            return dataclasses.replace(self, master_port=free_port(), placement_group=None)
+        return dataclasses.replace(self, master_port=_free_port_on(self.master_node, timeout_s),
+                                   placement_group=None)
+
+
+def _free_port_on(node_id: str, timeout_s: float) -> int:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.get(ray.remote(free_port).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+    ).remote(), timeout=timeout_s)
+
 
 def place_ranks(world_size: int, *, resources: dict[str, float] | None = None,
                 num_cpus: float = 0, strategy: str = "PACK",
-                timeout_s: float = 600.0) -> Placement:
+                timeout_s: float = 600.0, share: int = 1) -> Placement:
     """Place ``world_size`` ranks.
 
     Without ``resources`` every rank runs where Ray puts it on this node (a local run) and
     the group meets on 127.0.0.1.  With them (per rank, e.g. ``{"GPU": 1}``), the group
     gets a placement group of ``world_size`` bundles (the autoscaler starts nodes for it:
     the wait is ``timeout_s``), and the process group's master is rank 0's node, on a
-    port that node reports free.
+    port that node reports free.  Each rank's actor asks for its bundle's GPUs (so Ray
+    assigns it the GPU: ``CUDA_VISIBLE_DEVICES``) divided by ``share``: with ``share=k``,
+    k actors (the colocated roles' rank i, see :meth:`Placement.another_group`) fit in
+    bundle i and share its GPU.
     """
     if not resources:
         return Placement("127.0.0.1", free_port())
-    from ray.util.scheduling_strategies import (
-        NodeAffinitySchedulingStrategy,
-        PlacementGroupSchedulingStrategy,
-    )
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle = {**resources, **({"CPU": num_cpus} if num_cpus else {})}
+    bundle = {**resources, **({"CPU": num_cpus * share} if num_cpus else {})}
     pg = ray.util.placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
         node_id = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
         addr = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
-        port = ray.get(ray.remote(free_port).options(
-            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-        ).remote(), timeout=timeout_s)
+        port = _free_port_on(node_id, timeout_s)
     except BaseException:
         ray.util.remove_placement_group(pg)
         raise
+    gpus = {"num_gpus": resources["GPU"] / share} if resources.get("GPU") else {}
     return Placement(addr, port, lambda rank: {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=rank)}, pg)
+        pg, placement_group_bundle_index=rank), **gpus}, pg, node_id)
 
 
 def start_ranks(worker_cls: Any, placement: Placement, *, role: str, world_size: int,

@@ -1,14 +1,19 @@
-"""Tiny language models and a tokenizer built in code (nothing is ever downloaded).
+"""The roles' language models and tokenizers: a Hugging Face directory, or built in code.
 
-The policy is a Hugging Face ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) built from a
-small config, so exported weights load in ``transformers`` and vLLM; the tokenizer is a
-character-level ``PreTrainedTokenizerFast``.  The value model (critic, reward model) is
-the same backbone with a scalar head.
+With ``path`` (``actor_rollout_ref.model.path``, ``critic.model.path``,
+``reward_model.model.path``) the model and its tokenizer are loaded from that Hugging Face
+directory (config, safetensors weights, tokenizer files) with ``transformers``, in the
+dtype its config names.  Without, the policy is a small ``LlamaForCausalLM`` (or
+``Qwen2ForCausalLM``) built from the job's config with a character-level
+``PreTrainedTokenizerFast`` (nothing is ever downloaded).  Either way exported weights
+load in ``transformers`` and vLLM.  The value model (critic, reward model) is the
+backbone with a scalar head initialized from the seed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any
 
 import torch
@@ -45,6 +50,66 @@ def decode(ids: list[int]) -> str:
     return "".join(CHARS[i - len(SPECIALS)] for i in ids if i >= len(SPECIALS))
 
 
+MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_dir(path: str, key: str = "actor_rollout_ref.model.path") -> None:
+    """Refuse a model directory that lacks its config, safetensors weights or tokenizer,
+    naming what is missing."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{key}={path}: no such directory (a Hugging Face model "
+                                "directory on every node of the job)")
+    names = set(os.listdir(path))
+    missing = []
+    if "config.json" not in names:
+        missing.append("config.json")
+    if not names & set(MODEL_WEIGHTS) and not any(n.endswith(".safetensors") for n in names):
+        missing.append("model.safetensors (weights in safetensors format)")
+    if not names & set(TOKENIZER_FILES):
+        missing.append("tokenizer.json (or tokenizer.model / vocab.json)")
+    if missing:
+        raise FileNotFoundError(f"{key}={path}: missing " + ", ".join(missing))
+
+
+class Vocab:
+    """The ids and text conversions the driver, rollout and reward need from a tokenizer.
+
+    The built-in character vocabulary is handled without importing ``transformers``; a
+    directory's tokenizer is loaded from it.
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self.tokenizer = None
+        if path is None:
+            self.bos, self.pad, self.eos = BOS, PAD, EOS
+            return
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+        if tok.eos_token_id is None:
+            raise ValueError(f"the tokenizer in {path} has no eos token: responses could not end")
+        self.tokenizer = tok
+        self.eos = tok.eos_token_id
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.bos = tok.bos_token_id  # None: sequences start with the prompt itself
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            return encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A prompt as the rollout receives it: BOS (when the tokenizer has one) + tokens."""
+        return ([] if self.bos is None else [self.bos]) + self.encode(text)
+
+
 def build_config(model: dict[str, Any]) -> Any:
     """An HF config from the job's ``actor_rollout_ref.model`` options."""
     from transformers import LlamaConfig, Qwen2Config
@@ -66,21 +131,35 @@ def build_config(model: dict[str, Any]) -> Any:
 
 
 def build_causal_lm(model: dict[str, Any], seed: int) -> nn.Module:
+    """The causal LM of ``model``: loaded from ``model["path"]``, or built from the config
+    with weights drawn from ``seed`` (identical on every rank either way)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    if model.get("path"):
+        check_model_dir(model["path"], model.get("key", "actor_rollout_ref.model.path"))
+        return AutoModelForCausalLM.from_pretrained(model["path"], dtype="auto",
+                                                    attn_implementation="eager")
     return AutoModelForCausalLM.from_config(build_config(model), attn_implementation="eager")
 
 
-def hf_assets(model: nn.Module) -> dict[str, bytes]:
+def tokenizer_of(model: dict[str, Any]):
+    """The Hugging Face tokenizer of ``model``: its directory's, or the built-in one."""
+    if model.get("path"):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model["path"])
+    return build_tokenizer()
+
+
+def hf_assets(model: nn.Module, spec: dict[str, Any]) -> dict[str, bytes]:
     """``{file name: bytes}`` of a causal LM's config, generation config and tokenizer."""
-    import os
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
-        build_tokenizer().save_pretrained(tmp)
+        tokenizer_of(spec).save_pretrained(tmp)
         out = {}
         for name in sorted(os.listdir(tmp)):
             with open(os.path.join(tmp, name), "rb") as f:
@@ -96,8 +175,14 @@ class ValueModel(nn.Module):
         from transformers import AutoModel
 
         torch.manual_seed(seed)
-        self.backbone = AutoModel.from_config(build_config(model), attn_implementation="eager")
-        self.value_head = nn.Linear(self.backbone.config.hidden_size, 1)
+        if model.get("path"):
+            check_model_dir(model["path"], model.get("key", "critic.model.path"))
+            self.backbone = AutoModel.from_pretrained(model["path"], dtype="auto",
+                                                      attn_implementation="eager")
+        else:
+            self.backbone = AutoModel.from_config(build_config(model), attn_implementation="eager")
+        dtype = next(self.backbone.parameters()).dtype
+        self.value_head = nn.Linear(self.backbone.config.hidden_size, 1, dtype=dtype)
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -119,7 +204,7 @@ def state_sha256(state: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for k in sorted(state):
         h.update(k.encode())
-        h.update(state[k].detach().contiguous().float().numpy().tobytes())
+        h.update(state[k].detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 

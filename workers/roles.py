@@ -3,7 +3,8 @@
 Every method that takes a batch receives this rank's slice of it (the driver splits
 the global batch evenly over the role's ranks; FSDP averages gradients across them).
 Batch tensors: ``input_ids`` and ``attention_mask`` of shape (N, T), ``response_mask``
-(N, T-1) marking the positions that predict response tokens.
+(N, T-1) marking the positions that predict response tokens.  They arrive on cpu, are
+moved to the rank's device, and results go back on cpu.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import ray
 import torch
 
-from workers.models import decode, token_logprobs
+from workers.device import to_device, to_host
+from workers.models import Vocab, token_logprobs
 from workers.sharded import ShardedModelWorker
 
 
@@ -24,6 +26,9 @@ class PolicyWorker(ShardedModelWorker):
     """The actor (trainable) or the reference policy (``trainable=False``)."""
 
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return to_host(self._logprobs(to_device(batch, self.device)))
+
+    def _logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():
             logits = self.net(input_ids=batch["input_ids"],
                               attention_mask=batch["attention_mask"]).logits
@@ -32,8 +37,10 @@ class PolicyWorker(ShardedModelWorker):
     def update(self, batch: dict[str, torch.Tensor], *, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor, clip: float, kl_coef: float) -> dict[str, float]:
         """One PPO-clip step with a KL penalty to the reference on response tokens."""
+        batch = to_device(batch, self.device)
+        advantages, ref_logprobs = advantages.to(self.device), ref_logprobs.to(self.device)
         mask = batch["response_mask"].float()
-        old = self.logprobs(batch)
+        old = self._logprobs(batch)
         logits = self.net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         logp = token_logprobs(logits, batch["input_ids"])
         ratio = torch.exp(logp - old)
@@ -53,11 +60,13 @@ class CriticWorker(ShardedModelWorker):
     """PPO's value model: per-token values, trained toward the GAE returns."""
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        batch = to_device(batch, self.device)
         with torch.no_grad():
             v = self.net(batch["input_ids"], batch["attention_mask"])
-        return v[:, :-1]  # value of the state before each predicted token
+        return to_host(v[:, :-1]).float()  # value of the state before each predicted token
 
     def update(self, batch: dict[str, torch.Tensor], *, returns: torch.Tensor) -> dict[str, float]:
+        batch, returns = to_device(batch, self.device), returns.to(self.device)
         v = self.net(batch["input_ids"], batch["attention_mask"])[:, :-1]
         loss = _masked_mean((v - returns) ** 2, batch["response_mask"].float())
         self._optimizer_step(loss)
@@ -68,18 +77,28 @@ class CriticWorker(ShardedModelWorker):
 class RewardWorker(ShardedModelWorker):
     """A frozen reward model combined with a rule-based score.
 
-    The rule: the fraction of response characters equal to the prompt's target
-    character (the task is to repeat it).  The model's score on the last token is
+    The rule: the fraction of the response equal to the prompt's target character (the
+    task is to repeat it), read through the job's tokenizer.  The model's score on the last token is
     squashed and weighted by ``rm_coef``.
     """
 
     def score(self, batch: dict[str, torch.Tensor], responses: list[list[int]],
               targets: list[str], rm_coef: float) -> dict[str, list[float]]:
+        if getattr(self, "vocab", None) is None:  # the rule reads the responses' text
+            self.vocab = Vocab(self.model_spec.get("tokenizer_path"))
+        batch = to_device(batch, self.device)
         with torch.no_grad():
             values = self.net(batch["input_ids"], batch["attention_mask"])
         last = batch["attention_mask"].sum(dim=1) - 1
-        rm = torch.tanh(values[torch.arange(values.shape[0]), last])
-        rule = [sum(c == t for c in decode(r)) / max(1, len(r))
-                for r, t in zip(responses, targets, strict=True)]
+        rm = to_host(torch.tanh(values[torch.arange(values.shape[0]), last])).float()
+        rule = [self._rule(r, t) for r, t in zip(responses, targets, strict=True)]
         total = [r + rm_coef * float(m) for r, m in zip(rule, rm, strict=True)]
         return {"reward": total, "rule": rule}
+
+    def _rule(self, response: list[int], target: str) -> float:
+        """The fraction of the response equal to ``target``: per token with the built-in
+        character vocabulary (an end token counts as a miss), per character of the decoded
+        text with a model directory's tokenizer (a token may hold several characters)."""
+        text = self.vocab.decode(response)
+        hits = sum(c == target for c in text)
+        return hits / max(1, len(response) if self.vocab.tokenizer is None else len(text))

@@ -27,17 +27,22 @@ import ray
 import torch
 
 from raycheckpoint.worker import CheckpointableWorker, install_clean_exit
-from workers.models import EOS, PAD, build_causal_lm, build_tokenizer, state_sha256, token_logprobs
+from workers.device import ray_gpu_ids
+from workers.device import resolve as resolve_device
+from workers.models import Vocab, build_causal_lm, state_sha256, token_logprobs, tokenizer_of
 
 
 class HFEngine:
     def __init__(self, model: dict[str, Any], seed: int, rank: int, temperature: float,
-                 max_new_tokens: int) -> None:
-        self.net = build_causal_lm(model, seed)
+                 max_new_tokens: int, device: torch.device, options: dict[str, Any]) -> None:
+        self.device = device
+        self.net = build_causal_lm(model, seed).to(device)
         self.net.requires_grad_(False)
         self.net.eval()
+        vocab = Vocab(model.get("path"))
+        self.pad, self.eos = vocab.pad, vocab.eos
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
-        self.gen = torch.Generator().manual_seed(seed * 1000 + 17 + rank)
+        self.gen = torch.Generator(device=device).manual_seed(seed * 1000 + 17 + rank)
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.net.load_state_dict(weights)
@@ -47,25 +52,26 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        ids = torch.tensor([p for p in prompts for _ in range(n)], dtype=torch.long)
-        done = torch.zeros(ids.shape[0], dtype=torch.bool)
+        ids = torch.tensor([p for p in prompts for _ in range(n)], dtype=torch.long, device=self.device)
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)
         out: list[list[int]] = [[] for _ in range(ids.shape[0])]
         for _ in range(self.max_new_tokens):
             logits = self.net(input_ids=ids).logits[:, -1].float()
             probs = torch.softmax(logits / self.temperature, dim=-1)
-            probs[:, PAD] = 0  # never pad mid-response
+            if self.pad != self.eos:
+                probs[:, self.pad] = 0  # never pad mid-response
             nxt = torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
             for i, t in enumerate(nxt.tolist()):
                 if not done[i]:
                     out[i].append(t)
-            done |= nxt == EOS
+            done |= nxt == self.eos
             ids = torch.cat([ids, nxt.unsqueeze(-1)], dim=1)
             if bool(done.all()):
                 break
         return out
 
     def state(self) -> dict[str, Any]:
-        return {"generator": base64.b64encode(self.gen.get_state().numpy().tobytes()).decode()}
+        return {"generator": base64.b64encode(self.gen.get_state().cpu().numpy().tobytes()).decode()}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.gen.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generator"])),
@@ -76,7 +82,7 @@ class VLLMEngine:
     PROBE = [1, *range(3, 3 + 20)]  # a fixed token sequence for the weights check
 
     def __init__(self, model: dict[str, Any], seed: int, rank: int, temperature: float,
-                 max_new_tokens: int) -> None:
+                 max_new_tokens: int, device: torch.device, options: dict[str, Any]) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine inside this actor
         try:
             from vllm import LLM
@@ -87,11 +93,15 @@ class VLLMEngine:
         self.reference = build_causal_lm(model, seed)  # what the engine should be serving
         self.reference.requires_grad_(False)
         self.reference.save_pretrained(self.dir)
-        build_tokenizer().save_pretrained(self.dir)
-        # a fixed, small KV cache: on CPU the default reserves most of the host's memory
-        self.llm = LLM(model=self.dir, dtype="float32", seed=seed, enforce_eager=True,
-                       max_model_len=model.get("max_positions", 64),
-                       kv_cache_memory_bytes=64 * 2**20)
+        tokenizer_of(model).save_pretrained(self.dir)
+        self.eos = Vocab(model.get("path")).eos
+        if device.type == "cuda":  # the regular vllm package: its memory share of the GPU
+            memory = {"gpu_memory_utilization": options.get("gpu_memory_utilization", 0.5),
+                      "tensor_parallel_size": options.get("tensor_model_parallel_size", 1)}
+        else:  # a fixed, small KV cache: on CPU the default reserves most of the host's memory
+            memory = {"kv_cache_memory_bytes": 64 * 2**20, "dtype": "float32"}
+        self.llm = LLM(model=self.dir, seed=seed, enforce_eager=True,
+                       max_model_len=model.get("max_positions", 64), **memory)
         self.seed, self.rank = seed, rank
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.calls = 0
@@ -126,7 +136,7 @@ class VLLMEngine:
         self.calls += 1
         params = SamplingParams(n=n, temperature=self.temperature, max_tokens=self.max_new_tokens,
                                 seed=self.seed * 1_000_003 + self.rank * 10_007 + self.calls,
-                                stop_token_ids=[EOS])
+                                stop_token_ids=[self.eos])
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                     use_tqdm=False)
         return [list(c.token_ids) for o in outputs for c in o.outputs]
@@ -146,7 +156,8 @@ class RolloutWorker(CheckpointableWorker):
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str,
                  master_port: int, timeout_s: float = 120.0, model: dict | None = None,
                  seed: int = 0, engine: str = "hf", temperature: float = 1.0,
-                 max_new_tokens: int = 8) -> None:
+                 max_new_tokens: int = 8, device: str = "auto",
+                 engine_options: dict[str, Any] | None = None) -> None:
         if engine not in ENGINES:
             raise ValueError(f"actor_rollout_ref.rollout.name must be one of {sorted(ENGINES)}, "
                              f"got {engine!r}")
@@ -154,10 +165,15 @@ class RolloutWorker(CheckpointableWorker):
         self.role, self.rank, self.world_size = role, rank, world_size
         install_clean_exit()  # never hang in Ray's C++ teardown
         self.engine_name, self.temperature, self.max_new_tokens = engine, temperature, max_new_tokens
-        self.engine = ENGINES[engine](dict(model or {}), seed, rank, temperature, max_new_tokens)
+        self.gpu_ids = ray_gpu_ids()
+        self.device = resolve_device(device, who=f"{role} rank {rank}",
+                                     gpus_assigned=bool(self.gpu_ids))
+        self.engine = ENGINES[engine](dict(model or {}), seed, rank, temperature, max_new_tokens,
+                                      self.device, dict(engine_options or {}))
 
     def ready(self) -> dict[str, Any]:
         return {"role": self.role, "rank": self.rank, "engine": self.engine_name,
+                "device": str(self.device), "gpu_ids": self.gpu_ids,
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:

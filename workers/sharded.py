@@ -1,10 +1,12 @@
 """ShardedModelWorker: one rank of an FSDP2-sharded model (trainable or frozen).
 
-The base of the actor, critic, reference and reward roles.  It forms the role's gloo
-group, builds the model from config (identical initial weights on every rank, from
-``seed``), shards each decoder layer and the root with ``fully_shard``, and, when
-trainable, owns AdamW and a linear LR schedule.  Checkpoint state: the sharded model
-(and optimizer) state dicts, plus the scheduler and step counter as extra state.
+The base of the actor, critic, reference and reward roles.  It picks its device
+(``trainer.device``: one GPU per rank, or cpu), forms the role's process group (NCCL for
+the model on cuda, gloo on cpu), builds the model from its Hugging Face directory or from
+config (identical initial weights on every rank), shards each decoder layer and the root
+with ``fully_shard``, and, when trainable, owns AdamW and a linear LR schedule.
+Checkpoint state: the sharded model (and optimizer) state dicts, plus the scheduler and
+step counter as extra state.
 Frozen roles save their weights only; the coordinator stores them once and later
 checkpoints reference those bytes.
 """
@@ -24,6 +26,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from raycheckpoint.worker import CheckpointableWorker, StateDictCache, install_clean_exit
+from workers.device import backend as device_backend
+from workers.device import ray_gpu_ids
+from workers.device import resolve as resolve_device
 from workers.group import init_process_group
 from workers.models import ValueModel, build_causal_lm, decoder_layers, hf_assets, state_sha256
 
@@ -32,13 +37,19 @@ class ShardedModelWorker(CheckpointableWorker):
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str,
                  master_port: int, timeout_s: float = 120.0, model: dict | None = None,
                  seed: int = 0, trainable: bool = True, value_model: bool = False,
-                 optim: dict | None = None) -> None:
+                 optim: dict | None = None, device: str = "auto") -> None:
         self.role, self.rank, self.world_size = role, rank, world_size
         install_clean_exit()  # never hang in Ray's C++ teardown
+        self.gpu_ids = ray_gpu_ids()
+        self.device = resolve_device(device, who=f"{role} rank {rank}",
+                                     gpus_assigned=bool(self.gpu_ids))
         init_process_group(rank=rank, world_size=world_size, master_addr=master_addr,
-                           master_port=master_port, timeout_s=timeout_s)
-        self.net, layers = self.build_model(dict(model or {}), seed, value_model)
-        mesh = init_device_mesh("cpu", (world_size,))
+                           master_port=master_port, timeout_s=timeout_s,
+                           backend=device_backend(self.device))
+        self.model_spec = dict(model or {})
+        self.net, layers = self.build_model(self.model_spec, seed, value_model)
+        self.net.to(self.device)  # built on cpu from the seed: the same weights on any device
+        mesh = init_device_mesh(self.device.type, (world_size,))
         for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.net, mesh=mesh)
@@ -68,7 +79,8 @@ class ShardedModelWorker(CheckpointableWorker):
 
     def ready(self) -> dict[str, Any]:
         return {"role": self.role, "rank": self.rank, "trainable": self.trainable,
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "device": str(self.device), "node_id": ray.get_runtime_context().get_node_id(),
+                "gpu_ids": self.gpu_ids}
 
     def _optimizer_step(self, loss: torch.Tensor) -> None:
         self.optim.zero_grad(set_to_none=True)
@@ -105,7 +117,8 @@ class ShardedModelWorker(CheckpointableWorker):
     def ckpt_assets(self) -> dict[str, bytes]:
         """The Hugging Face config and tokenizer files of a causal LM (none for value models)."""
         if getattr(self, "_assets", None) is None:
-            self._assets = hf_assets(self.net) if hasattr(self.net, "generation_config") else {}
+            self._assets = (hf_assets(self.net, self.model_spec)
+                            if hasattr(self.net, "generation_config") else {})
         return self._assets
 
     def ckpt_load_extra_state(self, extra: dict[str, Any]) -> None:
