@@ -1,7 +1,7 @@
 """Project save stall and durable time to 256 GPUs, calibrated by a measured run.
 
     python -m bench.projection --results bench/results/size/results.json \\
-        [--virtual bench/results/virtual/results.json]
+        [--virtual bench/results/virtual/results.json] [--gpu-check OUT/gpu_check.json]
 
 A model: every figure is (bytes to move) / (bandwidth that moves them), times the
 ratio this project measured against the same limit on a real machine (its overhead
@@ -50,11 +50,23 @@ def project(params: float, gpus: int, hw: Hardware, calib: dict[str, float]) -> 
         "bytes_per_gpu": per_gpu, "nodes": nodes,
         "limit_copy_s": copy_s, "limit_write_s": write_s,
         "raycheckpoint_stall_s": copy_s * calib["stall_over_host_copy"],
+        # overlap_copy: what the GPU check measured blocking beside the running step
+        "raycheckpoint_overlap_stall_s": copy_s * calib.get("overlap_stall_over_host_copy", float("nan")),
         "raycheckpoint_durable_s": write_s * calib["durable_over_raw_write"]
         + calib["commit_overhead_256_s"],
         "verl_sync_stall_s": write_s * calib["verl_over_raw_write"],
         "rank0_gather_stall_s": gather_s * calib["rank0_over_raw_write"],
     }
+
+
+def calibrate_from_gpu_check(calib: dict[str, float], gpu: dict) -> dict[str, float]:
+    """The stall ratio measured on a GPU by ``scripts/gpu_check.sh`` (its largest size per
+    rank) in place of the CPU run's, and the overlap mode's beside it."""
+    if gpu.get("mode") != "cuda" or not gpu.get("stall"):
+        raise SystemExit("--gpu-check: not the result of a run on a GPU (gpu_check.json mode cuda)")
+    row = max(gpu["stall"], key=lambda r: r["gb_per_rank"])
+    return {**calib, "stall_over_host_copy": max(1.0, row["stall_ratio"]),
+            "overlap_stall_over_host_copy": row["overlap_ratio"]}
 
 
 def calibration(results: dict, virtual: dict | None) -> dict[str, float]:
@@ -84,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--results", required=True, help="results.json of bench.save_latency")
     p.add_argument("--virtual", default=None, help="results.json of a --virtual-ranks run")
     p.add_argument("--gpus", type=int, default=256)
+    p.add_argument("--gpu-check", default=None,
+                   help="gpu_check.json of scripts/gpu_check.sh on a GPU: its measured stall ratio")
     for key, hw in HARDWARE.items():
         p.add_argument(f"--{key.lower()}-d2h-gb-s", type=float, default=hw.d2h_gb_s)
         p.add_argument(f"--{key.lower()}-node-write-gb-s", type=float, default=hw.node_write_gb_s)
@@ -96,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.virtual) as f:
             virtual = json.load(f)
     calib = calibration(results, virtual)
+    if args.gpu_check:
+        with open(args.gpu_check) as f:
+            calib = calibrate_from_gpu_check(calib, json.load(f))
     print("calibration (measured; a ratio under 1 counts as 1): "
           + ", ".join(f"{k} {v:.2f}" for k, v in calib.items()))
     print(f"\n{'model':<6}{'GPU':<18}{'GB/GPU':>7}{'copy limit':>11}{'write limit':>12}"
@@ -111,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['limit_write_s']:>11.1f}s{r['raycheckpoint_stall_s']:>10.2f}s"
                   f"{r['raycheckpoint_durable_s']:>12.1f}s{r['verl_sync_stall_s']:>9.1f}s"
                   f"{r['rank0_gather_stall_s']:>12.1f}s")
+            if "overlap_stall_over_host_copy" in calib:
+                print(f"{'':<6}{'':<18}with checkpoint.overlap_copy: stall "
+                      f"{r['raycheckpoint_overlap_stall_s']:.3f}s")
     print("\nassumptions: " + "; ".join(
         f"{hw.name}: {hw.gpus_per_node} GPUs/node, D2H {hw.d2h_gb_s} GB/s per GPU, node write "
         f"{hw.node_write_gb_s} GB/s, storage {hw.storage_gb_s} GB/s aggregate"

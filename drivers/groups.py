@@ -24,7 +24,9 @@ RPC = 600.0
 
 
 def cluster_gpus() -> float:
-    """GPUs the cluster has now, or failing that, can start (its autoscaler's node types)."""
+    """GPUs the cluster has now, or failing that, can start: the node types its autoscaler
+    reports (Ray's v2 autoscaler does; with the v1 autoscaler a cluster that has no GPU
+    node yet counts as none: give ``trainer.device=cuda`` there)."""
     now = float(ray.cluster_resources().get("GPU", 0))
     if now:
         return now

@@ -29,6 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 from drivers import algos, data, verl_keys
 from drivers._ray import init_ray
 from drivers.config import from_mapping, parse_overrides, storage_options
+from drivers.exports import HFExports
 from drivers.groups import RPC, start_groups
 from raycheckpoint import (
     CheckpointConfig,
@@ -164,6 +165,12 @@ class Trainer:
         self.sampler = ResumableSampler(len(self.rows), seed=opts["data.seed"])
         metrics = opts["trainer.metrics_file"] or f"{self.root}/metrics.jsonl"
         self.metrics_file = metrics
+        self.exports = None
+        if verl_keys.exports_hf(opts):  # hf_model: an HF export beside each committed checkpoint
+            if self.ckpt_config.encryption_key:
+                raise SystemExit("error: save_contents hf_model writes a plaintext export; this root "
+                                 "is encrypted (checkpoint.encryption_key)")
+            self.exports = HFExports(self.root, self.storage_options)
         self.events: list[str] = []
         self.finished_saves: list[dict[str, Any]] = []  # checkpoint_stats entries not yet logged
         self._seen_stats = 0
@@ -246,6 +253,10 @@ class Trainer:
                                else f"failed {s['name']}: {s.get('error')}")
             self.events += [f"warning {s['name']}: {a}" for a in s.get("anomalies", [])]
             self.finished_saves.append(s)
+            if s["ok"] and self.exports is not None:
+                self.exports.submit(s["name"])
+        if self.exports is not None:
+            self.events += self.exports.finished()
         self._seen_stats = len(stats)
 
     def write_metrics(self, record: dict[str, Any]) -> None:
@@ -307,6 +318,9 @@ class Trainer:
                 time.sleep(o["trainer.step_delay_s"])
         self.manager.wait_for_saves(RPC)
         self.collect_commits()
+        if self.exports is not None:  # exports that finished after the last step's record
+            for line in [e for e in self.events if e.startswith("hf export")] + self.exports.close(RPC):
+                print(line, flush=True)
         for s in self.manager.checkpoint_stats:
             print(f"checkpoint {s['name']}: {s.get('bytes', 0) / 1e6:.2f} MB, stall "
                   f"{s['stall_s'] * 1e3:.1f} ms, committed after {s.get('total_s', 0):.2f} s", flush=True)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from raycheckpoint import hf_export
 from raycheckpoint.errors import CheckpointNotFoundError, LeaseHeldError, RayCheckpointError
 from raycheckpoint.integrity.crypto import EncryptionKeyError
 from raycheckpoint.integrity.verify import verify_files
@@ -199,6 +200,8 @@ def verify(ref: str, options: dict[str, Any] | None = None, *, step: int | None 
             entry.update(summary(ck))
             try:
                 verify_files(storage, ck.manifest.files, progress)
+                if hf_export.verify_beside(storage, name) is not None:
+                    entry["hf_export"] = hf_export.export_dir(name)
             except RayCheckpointError as e:
                 error = e
         entry["ok"] = error is None

@@ -45,7 +45,7 @@ from raycheckpoint.errors import CheckpointNotFoundError, IntegrityError
 from raycheckpoint.integrity.crypto import MAGIC, check_key
 from raycheckpoint.integrity.verify import read_verified, verify_files
 from raycheckpoint.protocol.checkpoint import VerifiedCheckpoint
-from raycheckpoint.protocol.paths import DCP_METADATA, dcp_metadata
+from raycheckpoint.protocol.paths import DCP_METADATA, CheckpointPaths, dcp_metadata
 from raycheckpoint.storage import Storage
 
 MODEL_PREFIX = "model."
@@ -175,8 +175,10 @@ class RoleReader:
             yield info.name[len(MODEL_PREFIX):], info, tensor
 
     def assets(self) -> dict[str, str]:
-        """``{file name: path relative to the root}`` of the role's assets."""
-        prefix = self.ck.paths.assets_prefix(self.role)
+        """``{file name: path relative to the root}`` of the role's assets: those of the
+        checkpoint that wrote its tensors (a frozen role's later checkpoints refer to it)."""
+        owner = self.dcp_dir.split("/", 1)[0]
+        prefix = CheckpointPaths(owner).assets_prefix(self.role)
         return {p[len(prefix):]: p for p in self.ck.manifest.files if p.startswith(prefix)}
 
 

@@ -43,7 +43,8 @@ def make_model_dir(path: Path, arch: str = "llama", *, seed: int = 0,
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     tok = train_tokenizer(arch)
-    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    # head_dim 64: one that vLLM's CPU attention supports
+    common = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
                   pad_token_id=tok.pad_token_id, tie_word_embeddings=tied)

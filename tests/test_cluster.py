@@ -130,9 +130,16 @@ def test_fake_multinode_autoscaling_with_checkpointing_across_nodes(tmp_path):
     proc = _run_isolated("fake_multinode.sh", str(tmp_path), timeout=560)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
-    # the head has no trainer_slot: every rank ran on a node the autoscaler added, and
-    # STRICT_SPREAD put each role's two ranks on two different nodes
+    # the head has no GPU: every rank asked for one (trainer.device=auto on a cluster whose
+    # worker nodes declare GPUs), ran on a node the autoscaler added, and STRICT_SPREAD put
+    # each role's two ranks on two different nodes
     placed = [ln for ln in proc.stdout.splitlines() if ln.startswith("worker groups placed")]
+    devices = [ln for ln in proc.stdout.splitlines() if ln.startswith("ranks compute on")]
+    assert devices == ["ranks compute on cpu (trainer.device=auto, one GPU per rank)"] * 2, proc.stdout
+    assert len([ln for ln in proc.stdout.splitlines() if ln.startswith("GPUs per rank")]) == 2
+    # the ranks found no real GPU behind the resource, and said so in the job's log
+    job4 = (tmp_path / "job4.log").read_text()
+    assert job4.count("was given a GPU but sees no CUDA device") >= 8, job4[-3000:]
     assert len(placed) == 2 and all("on 2 node(s)" in ln for ln in placed), proc.stdout
     for line in placed:
         for role in ("actor", "reference", "reward", "rollout"):

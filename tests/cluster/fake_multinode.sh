@@ -2,9 +2,10 @@
 # Autoscaling with checkpointing across nodes on Ray's fake multi-node cluster.
 #
 # Run by tests/test_cluster.py inside fresh net+pid+mount namespaces (only loopback;
-# every raylet the autoscaler starts ends with the namespace).  The head has no
-# `trainer_slot`, so the autoscaler must add worker nodes for the ranks; STRICT_SPREAD puts the
-# two ranks of each role on different nodes.  Job 1 saves at steps 2 and 4; job 2
+# every raylet the autoscaler starts ends with the namespace).  The head has no GPU; the
+# autoscaler starts one worker node (4 declared GPUs) and, once the job's ranks ask for a
+# GPU each (trainer.device=auto on a cluster with GPUs), adds another: STRICT_SPREAD puts
+# the two ranks of each role on different nodes.  Job 1 saves at steps 2 and 4; job 2
 # resumes from step 4 (on nodes scaled up again if the idle ones were removed).  Then the
 # latency benchmark runs as a job with its ranks placed the same way.
 # Usage: fake_multinode.sh WORK
@@ -21,18 +22,24 @@ trap 'end_processes; rm -rf "$RAY_TMP"' EXIT
 RAY_FAKE_CLUSTER=1 ray start --head --node-ip-address=127.0.0.1 --port=6379 \
   --dashboard-host=127.0.0.1 --autoscaling-config=deploy/cluster-fake.yaml \
   --temp-dir="$RAY_TMP" > "$WORK/start.log" 2>&1 || { tail -30 "$WORK/start.log"; exit 1; }
+# the job decides its device from the GPUs the cluster has: wait for the first worker node
+for _ in $(seq 120); do
+  ray status --address 127.0.0.1:6379 2>/dev/null | grep -q "GPU" && break
+  sleep 1
+done
 CKPT="$WORK/checkpoints"
 # no --working-dir: fake nodes share one session directory, and one node's runtime-env
 # cleanup can remove a working_dir another node's workers run in; the project is
 # installed in the environment instead
 JOB=(python -m drivers.main_ppo "trainer.default_local_dir=$CKPT" trainer.save_freq=2
-     'trainer.worker_resources={"trainer_slot": 1}' trainer.placement_strategy=STRICT_SPREAD)
+     trainer.device=auto trainer.placement_strategy=STRICT_SPREAD)
 for steps in 4 6; do
   echo "== job: $steps steps"
   ray job submit --address http://127.0.0.1:8265 -- "${JOB[@]}" \
     "trainer.total_training_steps=$steps" > "$WORK/job$steps.log" 2>&1 \
     || { tail -60 "$WORK/job$steps.log"; exit 1; }
-  grep -E "^worker groups placed|^resumed from|^checkpoint step_" "$WORK/job$steps.log" || true
+  grep -E "^worker groups placed|^GPUs per rank|^ranks compute on|^resumed from|^checkpoint step_" \
+    "$WORK/job$steps.log" || true
   ray status --address 127.0.0.1:6379 > "$WORK/status$steps.log" 2>&1 || true
 done
 # the latency benchmark as a job: its two ranks placed by resources on two nodes
