@@ -171,6 +171,28 @@ def reshard_rank(rank: int, world: int, port: int, root: str, width: int, out: d
         got = full_state(net, optim)
         if rank == 0:
             out["reshard_bitwise"] = _equal(saved["full"], got)
+        # and the reverse trip: a checkpoint these cpu ranks save, for the device to load
+        from raycheckpoint._internal.staging import HostStager
+
+        train_step(net, optim, "cpu", width, 7)
+        entries = gather_entries(save(HostStager(f"cpu rank {rank}"), state_of(net, optim), root,
+                                      "ckpt_cpu", dist.new_group(backend="gloo")), world)
+        full = full_state(net, optim)
+        if rank == 0:
+            torch.save({"entries": entries, "full": full}, os.path.join(root, "saved_cpu.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def load_on_device(device: str, port: int, root: str, width: int) -> dict[str, Any]:
+    """The 2 cpu ranks' checkpoint loaded by one rank on the device (2 -> 1): bitwise."""
+    init_group(0, 1, port, device)
+    try:
+        saved = torch.load(os.path.join(root, "saved_cpu.pt"), weights_only=False)
+        net, optim = fsdp_model(device, 1, width)
+        train_step(net, optim, device, width, 99)
+        load(state_of(net, optim), root, "ckpt_cpu", saved["entries"])
+        return {"cpu_to_device_bitwise": _equal(saved["full"], full_state(net, optim))}
     finally:
         dist.destroy_process_group()
 
@@ -245,7 +267,8 @@ def stall(device: str, nbytes: int, matmul: int) -> dict[str, float]:
         while copier.is_alive() or n < 2:
             a @ a
             n += 1
-            sync(device)
+            if device == "cuda":  # this stream only: the copy's stream runs on beside it
+                torch.cuda.current_stream().synchronize()
         copier.join()
         beside.append((time.perf_counter() - t1) / n)
         overlap.append(blocked)
@@ -280,9 +303,10 @@ def _rss() -> int:
 
 def _cuda_memory() -> dict[str, int]:
     out = {"gpu_reserved": torch.cuda.memory_reserved(), "gpu_allocated": torch.cuda.memory_allocated()}
+    # the staging buffers' pinned pages also count in the resident set (checked on every device)
     stats = getattr(torch.cuda, "host_memory_stats", None)
-    if stats is not None:
-        out["pinned_reserved"] = int(stats().get("reserved_bytes.current", 0))
+    if stats is not None and "reserved_bytes.current" in stats():
+        out["pinned_reserved"] = int(stats()["reserved_bytes.current"])
     return out
 
 

@@ -169,3 +169,24 @@ class TinyWorker:
     def staged(self) -> dict:
         """The host buffers of the last full snapshot."""
         return self._saver().stager._buffers["full"][1]
+
+
+def run_job_in_process(opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """The RL job's ``Trainer`` with ``opts`` on this process's Ray, to its end; its
+    workers killed after; the records of its ``metrics.jsonl`` (on local disk)."""
+    import json
+    import os
+
+    from drivers.main_ppo import Trainer
+
+    trainer = Trainer(opts)
+    trainer.start()
+    try:
+        assert trainer.run() == 0
+    finally:
+        trainer.manager.close(RPC_TIMEOUT)
+        for ws in trainer.groups.values():
+            for w in ws:
+                ray.kill(w)
+    with open(os.path.join(trainer.root, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]

@@ -30,26 +30,14 @@ RAYCHECKPOINT = os.path.join(os.path.dirname(sys.executable), "raycheckpoint")
 @pytest.fixture(scope="module")
 def job_root(ray_session, tmp_path_factory):
     """A root with full checkpoints at steps 2 and 4 and a light one at step 3."""
-    import ray
-
     from drivers.config import parse_overrides
-    from drivers.main_ppo import Trainer
+    from tests.helpers import run_job_in_process
 
     root = str(tmp_path_factory.mktemp("cli") / "job")
     opts = parse_overrides([f"trainer.default_local_dir={root}", "trainer.total_training_steps=4",
                             "trainer.save_freq=2", "checkpoint.save_interval=3",
                             "checkpoint.keep_last_n=3", "trainer.n_gpus_per_node=2"])
-    trainer = Trainer(opts)
-    trainer.start()
-    try:
-        assert trainer.run() == 0
-    finally:
-        trainer.manager.close(120)
-        for ws in trainer.groups.values():
-            for w in ws:
-                ray.kill(w)
-    with open(f"{root}/metrics.jsonl") as f:
-        metrics = [json.loads(line) for line in f]
+    metrics = run_job_in_process(opts)
     return {"root": root, "sha_step4": metrics[-1]["actor_weights_sha256"], "opts": opts}
 
 

@@ -25,7 +25,7 @@ def run_check(out: Path, *args: str) -> dict:
 def test_the_check_runs_its_cpu_leg(tmp_path):
     report = run_check(tmp_path, "--cpu")
     assert report["ok"] and report["mode"] == "cpu"
-    assert len(report["checks"]) == 8 and all(report["checks"].values())
+    assert len(report["checks"]) == 7 and all(report["checks"].values())
     assert [r["gb_per_rank"] for r in report["stall"]] == [1 / 64, 1 / 16]
     assert len(report["memory"]) == 20 and report["kill"]["killed"]
     # the projection calibrates from a GPU's result only

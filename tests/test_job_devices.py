@@ -144,21 +144,9 @@ def test_a_model_directory_without_weights_or_tokenizer_is_named(llama_dir, tmp_
 
 
 def _run_trainer(args: list[str]) -> list[dict]:
-    import ray
+    from tests.helpers import run_job_in_process
 
-    from drivers.main_ppo import Trainer
-
-    trainer = Trainer(parse_overrides(args))
-    trainer.start()
-    try:
-        assert trainer.run() == 0
-    finally:
-        trainer.manager.close(120)
-        for ws in trainer.groups.values():
-            for w in ws:
-                ray.kill(w)
-    root = Path(next(a for a in args if a.startswith("trainer.default_local_dir=")).split("=", 1)[1])
-    return [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    return run_job_in_process(parse_overrides(args))
 
 
 def test_a_job_from_a_model_directory_exports_what_transformers_loads(ray_session, llama_dir, tmp_path,
