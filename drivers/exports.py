@@ -1,9 +1,16 @@
 """verl's ``hf_model`` save content: a Hugging Face export of the actor beside each
-committed checkpoint, written in the background (training goes on meanwhile)."""
+committed checkpoint, written in the background (training goes on meanwhile).
+
+One daemon thread exports the checkpoints in the order they committed.  A job that stops
+early (SIGTERM, preemption) does not wait for an export in flight: it is left without
+its ``manifest.json``, which marks it incomplete (``raycheckpoint export`` writes one
+from the checkpoint at any time).
+"""
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
 from typing import Any
 
 from raycheckpoint import Storage
@@ -12,42 +19,35 @@ from raycheckpoint.protocol.checkpoint import open_verified
 
 
 class HFExports:
-    """Exports committed checkpoints one at a time, in the order they committed."""
-
     def __init__(self, root: str, storage_options: dict[str, Any], role: str = "actor") -> None:
         self.storage = Storage(root, storage_options)
         self.role = role
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-export")
-        self._pending: list[tuple[str, Future]] = []
+        self._todo: queue.Queue[str | None] = queue.Queue()
+        self._done: queue.Queue[str] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="hf-export", daemon=True)
+        self._thread.start()
 
     def submit(self, name: str) -> None:
-        self._pending.append((name, self._pool.submit(self._export, name)))
+        self._todo.put(name)
 
-    def _export(self, name: str) -> dict[str, Any]:
-        return write_beside(open_verified(self.storage, name), self.role)
+    def _run(self) -> None:
+        while (name := self._todo.get()) is not None:
+            try:
+                m = write_beside(open_verified(self.storage, name), self.role)
+                self._done.put(f"hf export {name}: {self.role}, {m['tensors']} tensors -> "
+                               f"{self.storage.url(export_dir(name))}")
+            except Exception as e:  # noqa: BLE001 - the checkpoint stays valid without it
+                self._done.put(f"hf export {name} failed: {e}")
 
     def finished(self) -> list[str]:
         """Events for the exports done since the last call."""
-        done = [(n, f) for n, f in self._pending if f.done()]
-        self._pending = [(n, f) for n, f in self._pending if not f.done()]
         events = []
-        for name, future in done:
-            error = future.exception()
-            if error is None:
-                m = future.result()
-                events.append(f"hf export {name}: {self.role}, {m['tensors']} tensors -> "
-                              f"{self.storage.url(export_dir(name))}")
-            else:  # the checkpoint stays valid without it (retention may have removed it first)
-                events.append(f"hf export {name} failed: {error}")
+        while not self._done.empty():
+            events.append(self._done.get())
         return events
 
     def close(self, timeout_s: float) -> list[str]:
-        """Wait for the exports still running (at most ``timeout_s`` each); their events."""
-        for _, future in self._pending:
-            try:
-                future.result(timeout=timeout_s)
-            except Exception:  # noqa: BLE001 - reported by finished()
-                pass
-        events = self.finished()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        return events
+        """Wait (at most ``timeout_s``) for the exports submitted; their events."""
+        self._todo.put(None)
+        self._thread.join(timeout_s)
+        return self.finished()

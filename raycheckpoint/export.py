@@ -240,7 +240,14 @@ def export(ck: VerifiedCheckpoint, out: str, *, fmt: str, role: str = "actor", f
             f"{ck.name}: role {role!r} has no Hugging Face config.json among its assets (its "
             "worker's ckpt_assets() returned none); export it with --format state_dict",
             path=ck.paths.assets_prefix(role).rstrip("/"))
-    model_bytes = sum(t.nbytes for t in reader.model_tensors()) if reader.has_tensors else 0
+    skip: frozenset[str] = frozenset()
+    if fmt == "hf":
+        config = json.loads(read_verified(ck.storage, assets["config.json"],
+                                          ck.manifest.files[assets["config.json"]]))
+        # tied output embeddings are one tensor: saved once, as save_pretrained does
+        skip = frozenset({"lm_head.weight"} if config.get("tie_word_embeddings") else ())
+    model_bytes = sum(t.nbytes for t in reader.model_tensors()
+                      if t.name[len(MODEL_PREFIX):] not in skip) if reader.has_tensors else 0
     asset_bytes = sum(ck.manifest.files[p].size for p in assets.values())
     if on_total is not None:
         on_total(reader.bytes + asset_bytes + model_bytes)
@@ -256,11 +263,7 @@ def export(ck: VerifiedCheckpoint, out: str, *, fmt: str, role: str = "actor", f
                     progress(len(data))
                 with open(os.path.join(tmp, name), "wb") as f:
                     f.write(data)
-            config = json.loads(read_verified(ck.storage, assets["config.json"],
-                                              ck.manifest.files[assets["config.json"]]))
-            # tied output embeddings are one tensor: saved once, as save_pretrained does
-            tied = frozenset({"lm_head.weight"} if config.get("tie_word_embeddings") else ())
-            count = write_safetensors(os.path.join(tmp, "model.safetensors"), reader, progress, tied)
+            count = write_safetensors(os.path.join(tmp, "model.safetensors"), reader, progress, skip)
             _publish_dir(tmp, out, force)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

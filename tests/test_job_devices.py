@@ -273,6 +273,17 @@ def test_a_qwen2_job_from_its_directory_resumes_bit_for_bit(ray_session, tmp_pat
     for step in (3, 4):
         for key in ("loss", "reward", "kl", "value_loss", "rule_reward", "actor_weights_sha256"):
             assert ra[step][key] == rb[step][key], (step, key)
+    # the reference exported from the last checkpoint is the base directory's bf16 weights,
+    # its tied output embedding written once, as save_pretrained wrote it
+    from safetensors.torch import load_file
+
+    from raycheckpoint.cli import main as cli
+
+    assert cli(["export", str(b / "step_00000004"), str(tmp_path / "ref"), "--format", "hf",
+                "--role", "reference"]) == 0
+    base, ref = load_file(qwen / "model.safetensors"), load_file(tmp_path / "ref" / "model.safetensors")
+    assert sorted(base) == sorted(ref) and "lm_head.weight" not in ref
+    assert all(torch.equal(base[k], ref[k]) and ref[k].dtype == torch.bfloat16 for k in base)
 
 
 @pytest.mark.long
