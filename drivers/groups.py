@@ -16,6 +16,7 @@ import ray
 
 from drivers.config import section
 from drivers.verl_keys import fail
+from workers.device import DEVICES
 from workers.group import Placement, place_ranks, start_ranks
 from workers.roles import CriticWorker, PolicyWorker, RewardWorker
 from workers.rollout import RolloutWorker
@@ -42,7 +43,7 @@ def job_device(opts: dict[str, Any]) -> str:
     """``cuda`` when the ranks get GPUs, else ``cpu`` (raises, one line, for ``cuda`` on a
     cluster without any)."""
     requested = opts["trainer.device"]
-    if requested not in ("auto", "cuda", "cpu"):
+    if requested not in DEVICES:
         fail(f"trainer.device must be auto, cuda or cpu, got {requested!r}")
     if requested == "cpu":
         return "cpu"

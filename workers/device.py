@@ -52,6 +52,12 @@ def ray_gpu_ids() -> list[str]:
         return []
 
 
+def rank_device(requested: str, who: str) -> tuple[torch.device, list[str]]:
+    """A Ray actor rank's device for ``requested``, and the GPUs Ray assigned it."""
+    gpu_ids = ray_gpu_ids()
+    return resolve(requested, who=who, gpus_assigned=bool(gpu_ids)), gpu_ids
+
+
 def backend(device: torch.device) -> str:
     """torch.distributed backend of a role's group: NCCL for the GPU tensors, gloo for the
     CPU ones (object collectives; the checkpoint's own collectives use a separate gloo group)."""

@@ -27,8 +27,7 @@ import ray
 import torch
 
 from raycheckpoint.worker import CheckpointableWorker, install_clean_exit
-from workers.device import ray_gpu_ids
-from workers.device import resolve as resolve_device
+from workers.device import rank_device
 from workers.models import Vocab, build_causal_lm, state_sha256, token_logprobs, tokenizer_of
 
 
@@ -165,9 +164,7 @@ class RolloutWorker(CheckpointableWorker):
         self.role, self.rank, self.world_size = role, rank, world_size
         install_clean_exit()  # never hang in Ray's C++ teardown
         self.engine_name, self.temperature, self.max_new_tokens = engine, temperature, max_new_tokens
-        self.gpu_ids = ray_gpu_ids()
-        self.device = resolve_device(device, who=f"{role} rank {rank}",
-                                     gpus_assigned=bool(self.gpu_ids))
+        self.device, self.gpu_ids = rank_device(device, f"{role} rank {rank}")
         self.engine = ENGINES[engine](dict(model or {}), seed, rank, temperature, max_new_tokens,
                                       self.device, dict(engine_options or {}))
 

@@ -27,8 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 from raycheckpoint.worker import CheckpointableWorker, StateDictCache, install_clean_exit
 from workers.device import backend as device_backend
-from workers.device import ray_gpu_ids
-from workers.device import resolve as resolve_device
+from workers.device import rank_device
 from workers.group import init_process_group
 from workers.models import ValueModel, build_causal_lm, decoder_layers, hf_assets, state_sha256
 
@@ -40,9 +39,7 @@ class ShardedModelWorker(CheckpointableWorker):
                  optim: dict | None = None, device: str = "auto") -> None:
         self.role, self.rank, self.world_size = role, rank, world_size
         install_clean_exit()  # never hang in Ray's C++ teardown
-        self.gpu_ids = ray_gpu_ids()
-        self.device = resolve_device(device, who=f"{role} rank {rank}",
-                                     gpus_assigned=bool(self.gpu_ids))
+        self.device, self.gpu_ids = rank_device(device, f"{role} rank {rank}")
         init_process_group(rank=rank, world_size=world_size, master_addr=master_addr,
                            master_port=master_port, timeout_s=timeout_s,
                            backend=device_backend(self.device))
