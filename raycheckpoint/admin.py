@@ -130,6 +130,29 @@ def list_root(storage: Storage, now: float | None = None) -> dict[str, Any]:
             "lease": lease_doc, "checkpoints": rows}
 
 
+def list_tiers(durable: Storage, local: Storage, now: float | None = None) -> dict[str, Any]:
+    """:func:`list_root` of a tiered job's durable root, with the checkpoints of its local
+    tier merged in: each row's ``tiers`` says which tiers hold it and in what state
+    (``committed``; ``writing`` in the local tier, ``copying`` in the durable one: a step
+    directory without its marker, a save or a replication in flight or cut short)."""
+    doc = list_root(durable, now)
+    local_doc = list_root(local, now)
+    rows = {r["name"]: r for r in doc["checkpoints"]}
+    for r in rows.values():
+        r["tiers"] = {"durable": "committed" if r["state"] == "committed" else "copying"}
+    for r in local_doc["checkpoints"]:
+        state = "committed" if r["state"] == "committed" else "writing"
+        if r["name"] in rows:
+            rows[r["name"]]["tiers"] = {"local": state, **rows[r["name"]]["tiers"]}
+        else:
+            rows[r["name"]] = {**r, "latest": False, "tiers": {"local": state}}
+            if r["state"] == "committed":
+                rows[r["name"]]["state"] = "committed (local tier only)"
+    doc["checkpoints"] = sorted(rows.values(), key=lambda r: (r["step"], r["committed_at"] or 0.0))
+    doc["local"] = {"root": local_doc["root"], "latest": local_doc["latest"]}
+    return doc
+
+
 # ---- inspect ----------------------------------------------------------------------------------
 
 def inspect_checkpoint(ck: VerifiedCheckpoint, *, tensors: bool = True) -> dict[str, Any]:

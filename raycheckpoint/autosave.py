@@ -53,8 +53,9 @@ class StepSaver:
             return
         self.preemption = PreemptionFlag()
 
-    def _save(self, kind: str, tag: str | None, reason: str) -> SaveHandle:
-        handle = self.manager.save_checkpoint(tag=tag, kind=kind)
+    def _save(self, kind: str, tag: str | None, reason: str, *,
+              replicate: bool = False) -> SaveHandle:
+        handle = self.manager.save_checkpoint(tag=tag, kind=kind, replicate=replicate)
         handle.tag, handle.reason = tag, reason
         self.saves.append(handle)
         logger.info("save %s (%s%s): %s", handle.name, kind, f", tag {tag}" if tag else "", reason)
@@ -73,13 +74,15 @@ class StepSaver:
         decision = self.triggers.check(step, loss=_number(values.get("loss")),
                                        reward=_number(values.get("reward")), is_last=is_last)
         if decision is not None and decision.kind not in saved and "full" not in saved:
-            self._save(decision.kind, None, "; ".join(decision.reasons))
+            # a tiered job copies the train-end save to the durable tier whatever the interval
+            self._save(decision.kind, None, "; ".join(decision.reasons), replicate=is_last)
             saved.add(decision.kind)
         # read once: a signal that lands later is acted on at the next step, never dropped
         if self.preemption is not None and self.preemption.requested and not self.stop_requested:
             self.stop_requested = True
             if "full" not in saved:
-                self._save("full", None, f"preemption ({_signal_name(self.preemption.signum)})")
+                self._save("full", None, f"preemption ({_signal_name(self.preemption.signum)})",
+                           replicate=True)
             m.wait_for_saves(self.config.save_wait_timeout_s + self.config.rpc_timeout_s)
         full = [h for h in self.saves if h.kind == "full"]
         return (full or self.saves or [None])[-1]

@@ -122,6 +122,21 @@ class CheckpointConfig(RetentionRules):
     size_warn_factor: float = 1.5
     slow_warn_factor: float = 3.0  # persist and commit times (slow storage)
 
+    # tiers (DESIGN section 7): with local_dir set, every save is written and committed
+    # there first (a fast disk; the same path on every node), and every replicate_every-th
+    # committed checkpoint (tagged ones, those of train end and preemption always) is
+    # copied to save_dir, the durable tier, in the background, verified there against its
+    # manifest and only then committed there (protocol/replicate.py).  The local tier keeps
+    # the newest keep_last_n_local checkpoints, and those still waiting for replication,
+    # up to replication_backlog of them; past that, saves go on and a warning says
+    # replication is behind.  memory_replicas (a copy of each shard in another node's
+    # memory) is not available in this release.
+    local_dir: str | None = None
+    replicate_every: int = 1
+    keep_last_n_local: int = 2
+    replication_backlog: int = 4
+    memory_replicas: int = 0
+
     # timeouts (seconds)
     commit_timeout_s: float = 600.0
     save_wait_timeout_s: float = 1800.0
@@ -130,11 +145,13 @@ class CheckpointConfig(RetentionRules):
     def __post_init__(self) -> None:
         if not self.save_dir:
             raise ValueError("save_dir must name a directory or URI, got an empty string")
-        for name in ("save_interval", "save_full_interval", "verify_every"):
+        for name in ("save_interval", "save_full_interval", "verify_every", "replicate_every",
+                     "keep_last_n_local", "replication_backlog"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         super().__post_init__()  # the retention options
+        self._check_tiers()
         if self.checksum_algorithm not in digest.ALGORITHMS:
             raise ValueError(f"checksum_algorithm must be one of {digest.ALGORITHMS}, got "
                              f"{self.checksum_algorithm!r}")
@@ -158,6 +175,29 @@ class CheckpointConfig(RetentionRules):
                      "lease_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+    def _check_tiers(self) -> None:
+        if self.memory_replicas:
+            raise ValueError(
+                "checkpoint.memory_replicas: the memory tier (shard replicas in another node's "
+                "memory) is not available in this release; use checkpoint.local_dir with "
+                "replication to save_dir")
+        if self.local_dir is not None:
+            if not self.local_dir or "://" in self.local_dir.removeprefix("file://"):
+                raise ValueError("checkpoint.local_dir must be a directory on the nodes' own "
+                                 f"disks, got {self.local_dir!r}")
+            local = os.path.abspath(os.path.expanduser(self.local_dir.removeprefix("file://")))
+            durable = self.save_dir.removeprefix("file://")
+            if "://" not in durable:
+                durable = os.path.abspath(os.path.expanduser(durable))
+                if (os.path.commonpath([local, durable]) in (local, durable)):
+                    raise ValueError(f"checkpoint.local_dir ({self.local_dir}) and save_dir "
+                                     f"({self.save_dir}) must not contain one another")
+
+    @property
+    def tiered(self) -> bool:
+        """True when saves go to ``local_dir`` first and are replicated to ``save_dir``."""
+        return self.local_dir is not None
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> CheckpointConfig:

@@ -25,6 +25,7 @@ keys the checkpoint lacks included); every skipped item is logged as a WARNING. 
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from raycheckpoint.protocol.paths import rng_file
 from raycheckpoint.protocol.refs import locate, resolve
 from raycheckpoint.resume import ResumeReport, format_differences, resume_differences
 from raycheckpoint.state import restore_rng
-from raycheckpoint.storage import Storage
+from raycheckpoint.storage import Storage, StorageSpec
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,13 @@ class LoadResult:
     skipped: list[str] = field(default_factory=list)
     resharded: dict[str, tuple[int, int]] = field(default_factory=dict)
     report: list[str] = field(default_factory=list, repr=False)  # what debug prints
+    tier: str = "root"  # where it was read from (a tiered job: "local tier" / "durable tier")
+    load_s: float = 0.0  # opened, verified and loaded into every worker
 
 
 class CheckpointLoader:
-    """Loads checkpoints of ``storage``'s root into ``groups`` (role -> workers by rank).
+    """Loads checkpoints of ``storage``'s root into ``groups`` (role -> workers by rank);
+    ``durable``: a tiered job's durable root, where ``storage`` is its local tier.
 
     ``workers_loaded()`` is called once every worker has loaded (the manager hashes its
     frozen roles' weights anew then); ``dataloader`` is restored from a full checkpoint.
@@ -73,8 +77,10 @@ class CheckpointLoader:
 
     def __init__(self, storage: Storage, config: CheckpointConfig, groups: dict[str, list[Any]],
                  *, cipher: Any, fingerprint: dict[str, Any], dataloader: Any,
-                 workers_loaded: Callable[[], None]) -> None:
+                 workers_loaded: Callable[[], None], durable: StorageSpec | None = None) -> None:
         self.storage = storage
+        self.durable = durable  # a tiered job's durable root (``storage`` is its local tier)
+        self._durable: Storage | None = None
         self.config = config
         self.groups = groups
         self.cipher = cipher
@@ -87,51 +93,105 @@ class CheckpointLoader:
         return {role: len(ws) for role, ws in self.groups.items()}
 
     def load(self, ref: str | int = "auto", strict: bool = True) -> LoadResult | None:
-        """Resume from ``ref``; None when ``ref == "auto"`` and the root holds nothing."""
+        """Resume from ``ref``; None when ``ref == "auto"`` and the root holds nothing.
+
+        A tiered job looks in its local tier first and in the durable one after: ``auto``
+        takes the newest checkpoint either holds, from the local tier when it holds it
+        and it verifies there, else from the durable tier."""
         storage, ref = locate(self.storage, ref, self.config.storage_options)
-        names = resolve(storage, ref)
-        failures = []
-        if ref == "auto":
-            for bad, error in sorted(catalog.scan_all(storage)[2].items()):
-                warnings.warn(f"checkpoint {bad} is skipped: {error}", RuntimeWarning, stacklevel=3)
-                failures.append(f"{bad}: {error}")
-            verification = catalog.read_verification(storage)
-            for name in list(names):
-                record = verification.get(name) or {}
-                if record.get("ok") is False:
-                    warnings.warn(f"checkpoint {name} is skipped: it failed background "
-                                  f"verification: {record.get('error')}", RuntimeWarning,
-                                  stacklevel=3)
-                    failures.append(f"{name}: failed background verification: "
-                                    f"{record.get('error')}")
-                    names.remove(name)
-        if not names and not failures:
+        tiers = self._tiers(storage)
+        failures: list[str] = []
+        candidates = self._auto(tiers, failures) if ref == "auto" else self._named(tiers, ref)
+        if not candidates and not failures:
             return None  # only "auto" resolves to nothing: a fresh root
-        for name in names:
+        last: IntegrityError | None = None
+        for i, (name, tier) in enumerate(candidates):
             try:
-                return self._load(storage, name, strict=strict, weights_only=False,
+                return self._load(tier, name, strict=strict, weights_only=False,
                                   passed_over=failures)
             except IntegrityError as e:
-                if ref != "auto":
+                more = i + 1 < len(candidates)
+                if ref != "auto" and not (more and candidates[i + 1][0] == name):
                     raise
-                warnings.warn(f"checkpoint {name} failed verification, trying an older one: {e}",
-                              RuntimeWarning, stacklevel=3)
-                failures.append(f"{name}: {e}")
+                warnings.warn(f"checkpoint {name} in {tier.url()} failed verification, trying "
+                              + ("its copy in another tier" if more and candidates[i + 1][0] == name
+                                 else "an older one") + f": {e}", RuntimeWarning, stacklevel=3)
+                failures.append(f"{name} ({tier.url()}): {e}")
+                last = e
+        if ref != "auto" and last is not None:
+            raise last
         raise CheckpointNotFoundError("no committed full checkpoint verifies: "
                                       + "; ".join(failures), ref=str(ref))
+
+    def _tiers(self, storage: Storage) -> list[Storage]:
+        """Where to look, fastest first: a tiered job's local and durable tiers, else the one
+        root (or the root a path reference names)."""
+        if storage is not self.storage or self.durable is None:
+            return [storage]
+        if self._durable is None:
+            self._durable = self.durable.open()
+        return [self.storage, self._durable]
+
+    def _auto(self, tiers: list[Storage], failures: list[str]) -> list[tuple[str, Storage]]:
+        """Every committed full checkpoint of any tier, newest first; a checkpoint in several
+        tiers comes once per tier, fastest first."""
+        found: dict[str, tuple[tuple[int, float], list[Storage]]] = {}
+        for storage in tiers:
+            markers, _, bad = catalog.scan_all(storage)
+            for name, error in sorted(bad.items()):
+                warnings.warn(f"checkpoint {name} in {storage.url()} is skipped: {error}",
+                              RuntimeWarning, stacklevel=4)
+                failures.append(f"{name}: {error}")
+            verification = catalog.read_verification(storage)
+            for m in markers:
+                if m.kind != "full":
+                    continue
+                record = verification.get(m.name) or {}
+                if record.get("ok") is False:
+                    warnings.warn(f"checkpoint {m.name} in {storage.url()} is skipped: it failed "
+                                  f"background verification: {record.get('error')}",
+                                  RuntimeWarning, stacklevel=4)
+                    failures.append(f"{m.name}: failed background verification: "
+                                    f"{record.get('error')}")
+                    continue
+                found.setdefault(m.name, (catalog.order_key(m), []))[1].append(storage)
+        ordered = sorted(found.items(), key=lambda kv: kv[1][0], reverse=True)
+        return [(name, s) for name, (_, held) in ordered for s in held]
+
+    @staticmethod
+    def _named(tiers: list[Storage], ref: str | int) -> list[tuple[str, Storage]]:
+        """``ref`` resolved in the first tier that holds it, then the same names in the
+        tiers after it."""
+        for i, storage in enumerate(tiers):
+            try:
+                names = resolve(storage, ref)
+            except CheckpointNotFoundError:
+                if i + 1 == len(tiers):
+                    raise
+                continue
+            out = []
+            for name in names:
+                out += [(name, s) for s in tiers[i:]
+                        if s is storage or catalog.read_marker(s, name) is not None]
+            return out
+        return []
 
     def load_weights(self, ref: str | int = "latest") -> LoadResult:
         """Load only model weights from a light or full checkpoint into every worker."""
         storage, ref = locate(self.storage, ref, self.config.storage_options)
         if ref == "auto":
             ref = "latest"
-        return self._load(storage, resolve(storage, ref)[0], strict=False, weights_only=True)
+        name, tier = self._named(self._tiers(storage), ref)[0]
+        return self._load(tier, name, strict=False, weights_only=True)
 
     def _load(self, storage: Storage, name: str, *, strict: bool, weights_only: bool,
               passed_over: list[str] = ()) -> LoadResult:
+        t0 = time.perf_counter()
         ck = open_verified(storage, name)
         check_key(ck.manifest.encryption, self.cipher, name)
         report = ResumeReport(ck, passed_over)
+        tier = self._tier_name(storage)
+        report.check(f"read from {tier}: {storage.url()}")
         if not weights_only and ck.kind == "light":
             if strict:
                 raise LightCheckpointError(
@@ -159,7 +219,8 @@ class CheckpointLoader:
         extra_roles = sorted(set(ck.manifest.roles) - set(self.groups))
         if extra_roles:
             skipped.append(f"roles in the checkpoint with no worker group here: {extra_roles}")
-        requests = self._requests(ck, weights_only=weights_only, strict=strict)
+        requests = self._requests(ck, weights_only=weights_only, strict=strict,
+                                  storage=None if storage is self.storage else storage.spec)
         handed = {p for _, req in requests for p in req["files"]}
         # what no worker will read is checked first: a corrupt asset refuses the checkpoint
         # before any worker's state changes
@@ -197,14 +258,20 @@ class CheckpointLoader:
             logger.warning("load %s: skipped %s", name, s)
         result = LoadResult(name=name, step=ck.step, kind=ck.kind, epoch=ts.get("epoch"),
                             metrics=ts.get("metrics") or {}, trainer_state=ts, skipped=skipped,
-                            resharded=resharded)
+                            resharded=resharded, tier=tier, load_s=time.perf_counter() - t0)
+        report.loaded(f"every role from the {tier} in {result.load_s:.2f}s")
         result.report = report.lines(self.groups, weights_only=weights_only, result=result)
         if self.config.debug:
             print("\n".join(result.report), flush=True)
         return result
 
-    def _requests(self, ck: VerifiedCheckpoint, *, weights_only: bool, strict: bool
-                  ) -> list[tuple[Any, dict[str, Any]]]:
+    def _tier_name(self, storage: Storage) -> str:
+        if self.durable is None:
+            return "root" if storage is self.storage else "root of the path given"
+        return "local tier" if storage is self.storage else "durable tier"
+
+    def _requests(self, ck: VerifiedCheckpoint, *, weights_only: bool, strict: bool,
+                  storage: StorageSpec | None = None) -> list[tuple[Any, dict[str, Any]]]:
         """(worker, its ``ckpt_load`` request) for every rank of a role the checkpoint has."""
         out = []
         for role, workers in self.groups.items():
@@ -224,5 +291,5 @@ class CheckpointLoader:
                     "checksums": self.config.enable_checksum,
                     "kind": "light" if weights_only else "full",
                     "saved_world_size": layout.world_size, "rng_file": rng, "partial": not strict,
-                    "wait_timeout_s": self.config.save_wait_timeout_s}))
+                    "wait_timeout_s": self.config.save_wait_timeout_s, "storage": storage}))
         return out

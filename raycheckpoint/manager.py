@@ -44,11 +44,9 @@ from raycheckpoint.loader import CheckpointLoader, LoadResult
 from raycheckpoint.metrics import CheckpointMetrics
 from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol import coordinator
-from raycheckpoint.protocol.lease import Lease
-from raycheckpoint.protocol.paths import step_dir_name
+from raycheckpoint.roots import open_roots
 from raycheckpoint.save_handle import SaveHandle, SaveTracker
 from raycheckpoint.state import capture_rng
-from raycheckpoint.storage import StorageSpec
 
 __all__ = ["CheckpointManager", "LoadResult", "SaveHandle"]
 
@@ -66,13 +64,10 @@ class CheckpointManager:
         # the key is read here, from the environment or a file; only its id is ever stored
         self.cipher = (FileCipher(load_key(config.encryption_key))
                        if config.encryption_key is not None else None)
-        self.spec = StorageSpec(config.save_dir, dict(config.storage_options),
-                                retries=config.storage_retries, cipher=self.cipher,
-                                checksum=config.checksum_algorithm, direct_io=config.direct_io)
+        # save_dir (durable) and, for a tiered job, local_dir: each leased (roots.py)
+        self.roots = open_roots(config, self.cipher)
+        self.spec = self.roots.durable
         self.storage = self.spec.open()
-        if not self.storage.caps.shared:
-            raise ValueError(f"{config.save_dir!r} is process-local (memory://): Ray workers run "
-                             "in other processes and cannot write there; use a directory or s3://")
         self.groups = {role: list(ws) for role, ws in worker_groups.items()}
         unknown = sorted(set(frozen_roles) - set(self.groups))
         if unknown:
@@ -93,33 +88,34 @@ class CheckpointManager:
         self._record = self._saves.record
         self.verifications: list[dict[str, Any]] = []  # background verification results
         self._stepper = StepSaver(self)
-        self._lease: Lease | None = None
-        if config.lease:  # refuse (naming the holder) before touching anything under the root
-            self._lease = Lease(self.storage, job_name=config.job_name, ttl_s=config.lease_ttl_s,
-                                takeover=config.lease_takeover, wait_s=config.lease_wait_s).acquire()
-            if self._lease.took_over is not None:
-                logger.warning("took over the lease of %s from %s", config.save_dir,
-                               self._lease.took_over.describe())
-        self._loader = CheckpointLoader(self.storage, config, self.groups, cipher=self.cipher,
-                                        fingerprint=self.fingerprint, dataloader=dataloader,
-                                        workers_loaded=self._refresh_identities)
+        self._loader = CheckpointLoader(
+            self.roots.write.open(), config, self.groups, cipher=self.cipher,
+            fingerprint=self.fingerprint, dataloader=dataloader,
+            workers_loaded=self._refresh_identities,
+            durable=self.spec if self.roots.local is not None else None)
         try:
             self._start(config, prepare_buffers)
         except BaseException:
-            if self._lease is not None:
-                self._lease.release()
+            self.roots.release()
             raise
 
     def _start(self, config: CheckpointConfig, prepare_buffers: bool) -> None:
+        roots = self.roots
+        tiered = roots.local is not None
         self._coordinator = coordinator.start(
-            self.spec, config, None if self._lease is None else self._lease.job_id,
-            verifier=verifier.start if config.verify_interval else None)
+            roots.write, config, roots.lease_id("local" if tiered else "durable"),
+            verifier=verifier.start if config.verify_interval else None,
+            durable=roots.durable if tiered else None, durable_lease_job_id=roots.lease_id("durable"))
         rpc = config.rpc_timeout_s
-        _get([w.ckpt_setup.remote(role=role, rank=rank, world_size=len(ws), storage=self.spec,
-                                  report_timeout_s=rpc, persist_nice=config.persist_nice,
-                                  freeze_gc=config.freeze_gc, coordinator=self._coordinator,
-                                  write_ahead=config.write_ahead)
-              for role, ws in self.groups.items() for rank, w in enumerate(ws)], rpc)
+        probe = roots.write_probe()
+        ranks = [(role, rank, w) for role, ws in self.groups.items() for rank, w in enumerate(ws)]
+        seen = _get([w.ckpt_setup.remote(
+            role=role, rank=rank, world_size=len(self.groups[role]), storage=roots.write,
+            probe=probe, report_timeout_s=rpc, persist_nice=config.persist_nice,
+            freeze_gc=config.freeze_gc, coordinator=self._coordinator,
+            write_ahead=config.write_ahead) for role, rank, w in ranks], rpc)
+        roots.check_visible(probe, [(f"{role}/{rank}", ok)
+                                    for (role, rank, _), ok in zip(ranks, seen, strict=True)])
         _get(self._coordinator.register_workers.remote(self.workers), rpc)
         self._refresh_identities()
         if prepare_buffers:  # first-touch the host buffers now, not in the first save's stall
@@ -223,8 +219,12 @@ class CheckpointManager:
     # ---- save -------------------------------------------------------------------------------------
 
     def save_checkpoint(self, tag: str | None = None, kind: str = "full", *,
-                        step: int | None = None, metrics: dict[str, Any] | None = None) -> SaveHandle:
-        """Snapshot every worker (blocking only for the host copy) and commit in the background."""
+                        step: int | None = None, metrics: dict[str, Any] | None = None,
+                        replicate: bool = False) -> SaveHandle:
+        """Snapshot every worker (blocking only for the host copy) and commit in the background.
+
+        ``replicate``: a tiered job copies this checkpoint to the durable tier whatever
+        ``replicate_every`` says (tagged checkpoints always are)."""
         if kind not in ("full", "light"):
             raise ValueError(f"kind must be 'full' or 'light', got {kind!r}")
         self._saves.poll()
@@ -247,7 +247,8 @@ class CheckpointManager:
         wait_s = self.config.save_wait_timeout_s
         begin_ref = self._coordinator.begin.remote(
             step=step, kind=kind, tag=tag, metrics=metrics, trainer_state=trainer_state,
-            expected=expected, world_sizes=self.world_sizes, frozen=self._identities)
+            expected=expected, world_sizes=self.world_sizes, frozen=self._identities,
+            replicate=replicate)
         # a trainable role is never reused: its workers copy while `begin` runs, and read its
         # answer (the reference, in a list, is not resolved before the call) once copied
         early = [(f"{role}/{rank}", w) for role, ws in self.groups.items()
@@ -261,7 +262,7 @@ class CheckpointManager:
             self._settle(snap_refs, wait_s + rpc)  # each drops its copy: nothing was named
             if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, PermissionError)):
                 # storage failed (after its retries) before any worker wrote
-                return self._failed_before_start(step, kind, time.perf_counter() - t0, e)
+                return self._saves.failed_before_start(step, kind, time.perf_counter() - t0, e)
             raise  # the root is gone or not ours to write: not a failure of this one save
         if "existing" in begun:
             self._settle(snap_refs, wait_s + rpc)
@@ -329,22 +330,6 @@ class CheckpointManager:
         except Exception:  # the caller raises or records the save's failure
             logger.debug("a dropped snapshot failed", exc_info=True)
 
-    def _failed_before_start(self, step: int, kind: str, stall_s: float,
-                             cause: BaseException) -> SaveHandle:
-        """Record a save that failed before any worker wrote; training goes on.
-
-        The error (with its cause and the storage attempts made) is recorded once in
-        ``checkpoint_stats``, warned once, and raised by the returned handle's ``wait()``.
-        """
-        notes = "; ".join(getattr(cause, "__notes__", []))
-        error = CheckpointSaveError(
-            f"save of step {step} failed before any worker wrote: {type(cause).__name__}: {cause}"
-            + (f" ({notes})" if notes else ""), failures={"coordinator": repr(cause)})
-        handle = SaveHandle.failed(self._record, name=step_dir_name(step), step=step, kind=kind,
-                                   stall_s=stall_s, error=error)
-        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
-        return handle
-
     def wait_for_saves(self, timeout: float | None = None) -> None:
         """Wait for every save in flight; raise the first failure not yet observed."""
         self._saves.wait_all(timeout)
@@ -379,12 +364,27 @@ class CheckpointManager:
         return _get(self._coordinator.wait_cleanup.remote(timeout),
                     None if timeout is None else timeout + rpc)
 
+    def replication(self) -> dict[str, Any] | None:
+        """A tiered job's replication to its durable tier: ``{"pending", "last_error",
+        "replicated", "durable"}``; None when the job has one tier."""
+        return _get(self._coordinator.replication.remote(), self.config.rpc_timeout_s)
+
+    def _wait_replication(self, timeout: float | None) -> None:
+        wait_s = self.config.save_wait_timeout_s if timeout is None else timeout
+        if not _get(self._coordinator.wait_replication.remote(wait_s),
+                    wait_s + self.config.rpc_timeout_s):
+            warnings.warn(f"closing with checkpoints not yet in the durable tier "
+                          f"{self.config.save_dir}: {self.replication()}; they stay in "
+                          f"{self.config.local_dir} and the next run copies the newest",
+                          RuntimeWarning, stacklevel=3)
+
     def close(self, timeout: float | None = None) -> None:
-        """Wait for saves in flight and their clean-up, then stop the coordinator actor."""
+        """Wait for saves in flight, their clean-up and (tiered) their replication, then stop
+        the coordinator actor."""
         try:
             self.wait_for_saves(timeout)
             self.wait_for_cleanup(timeout)
+            self._wait_replication(timeout)
         finally:
             ray.kill(self._coordinator)
-            if self._lease is not None:
-                self._lease.release()
+            self.roots.release()

@@ -21,7 +21,8 @@ from typing import Any
 import ray
 
 from raycheckpoint._internal.rpc import get as _get
-from raycheckpoint.errors import RayCheckpointError
+from raycheckpoint.errors import CheckpointSaveError, RayCheckpointError
+from raycheckpoint.protocol.paths import step_dir_name
 
 # records a save's outcome: (handle, result or None, error or None)
 Recorder = Callable[["SaveHandle", "dict[str, Any] | None", "BaseException | None"], None]
@@ -91,6 +92,22 @@ class SaveTracker:
         self.metrics = metrics
         self.handles: list[SaveHandle] = []
         self.stats: list[dict[str, Any]] = []
+
+    def failed_before_start(self, step: int, kind: str, stall_s: float,
+                            cause: BaseException) -> SaveHandle:
+        """Record a save that failed before any worker wrote; training goes on.
+
+        The error (with its cause and the storage attempts made) is recorded once in
+        ``checkpoint_stats``, warned once, and raised by the returned handle's ``wait()``.
+        """
+        notes = "; ".join(getattr(cause, "__notes__", []))
+        error = CheckpointSaveError(
+            f"save of step {step} failed before any worker wrote: {type(cause).__name__}: {cause}"
+            + (f" ({notes})" if notes else ""), failures={"coordinator": repr(cause)})
+        handle = SaveHandle.failed(self.record, name=step_dir_name(step), step=step, kind=kind,
+                                   stall_s=stall_s, error=error)
+        warnings.warn(str(error), RuntimeWarning, stacklevel=4)
+        return handle
 
     def record(self, handle: SaveHandle, result: dict[str, Any] | None,
                error: BaseException | None) -> None:

@@ -22,6 +22,9 @@ point                              where
 ``coordinator.catalog``            the commit, before ``catalog.json``
 ``coordinator.retention_delete``   retention, before deleting a checkpoint
 ``verifier.verify``                the background verifier, before it reads a checkpoint
+``replicate.file``                 replication to the durable tier, before copying a file
+``replicate.verify``               replication, every file copied, before reading them back
+``replicate.before_marker``        replication, verified, before ``COMMITTED`` in the target
 =================================  ===================================================
 
 Actions: ``raise`` (:class:`~raycheckpoint.errors.InjectedFault`), ``hang:<seconds>``,

@@ -103,9 +103,10 @@ class CheckpointableWorker:
                    process_group: dist.ProcessGroup | None = None,
                    report_timeout_s: float = 300.0, persist_nice: int = 0,
                    freeze_gc: bool = False, coordinator: Any = None,
-                   write_ahead: bool = True) -> None:
+                   write_ahead: bool = True, probe: str | None = None) -> bool:
         """Set up this rank's saver; ``freeze_gc``, ``write_ahead``: see
-        ``CheckpointConfig``.
+        ``CheckpointConfig``.  Returns whether ``storage`` holds ``probe`` (True if None:
+        the driver's proof that every rank sees one local tier, ``roots.py``).
 
         ``coordinator``: the handle snapshots report to unless they are given one (kept
         here so that each save's calls need not carry it).
@@ -115,10 +116,11 @@ class CheckpointableWorker:
         if freeze_gc:
             gc.collect()  # garbage now would never be collected once frozen
             gc.freeze()
+        sees = probe is None or storage.open().exists(probe)
         if self._ckpt_saver is not None and self._ckpt_saver.storage_spec == storage:
             self._ckpt_saver.persist_nice = persist_nice
             self._ckpt_saver.writes_ahead = write_ahead
-            return
+            return sees
         if process_group is None and dist.is_initialized():
             # DCP runs collectives from the persist thread: give it a group of its own so
             # they never interleave with the training collectives on the default group
@@ -136,6 +138,7 @@ class CheckpointableWorker:
             process_exit.on_exit(self._ckpt_close)
             self._ckpt_exit_hooked = True
         self._ckpt_saver.writes_ahead = write_ahead
+        return sees
 
     def _ckpt_close(self, timeout: float) -> None:
         if self._ckpt_saver is not None:
@@ -303,21 +306,23 @@ class CheckpointableWorker:
         the manifest), ``checksums``, ``kind`` (what to load: ``full`` or ``light``),
         ``saved_world_size``, ``rng_file`` (path of this rank's extra state, or None),
         ``partial`` (keys the checkpoint lacks keep their values, and are listed, instead of
-        failing the load).  Returns what was skipped and the files read and checked.
+        failing the load), ``storage`` (a tiered job's other tier to read from; default:
+        where this rank saves).  Returns what was skipped and the files read and checked.
         """
         saver = self._saver()
         saver.wait_previous(request.get("wait_timeout_s", 1800.0))
+        storage = saver.storage if request.get("storage") is None else request["storage"].open()
         expected = {p: FileEntry.from_dict(e) for p, e in request["files"].items()}
         kind = request["kind"]
         rel = request.get("rng_file") if kind == "full" else None
         # from an object store the rank's small extra-state file is read beside the
         # tensors, not after them (a round trip: ~20 ms of a resharded load from moto);
         # from local disk it is read after them, in this thread
-        beside = None if rel is None or saver.storage.caps.local_paths else ThreadPoolExecutor(
+        beside = None if rel is None or storage.caps.local_paths else ThreadPoolExecutor(
             1, thread_name_prefix="raycheckpoint-load-extra")
 
         def read_extra() -> bytes:
-            return read_verified(saver.storage, rel, expected.get(rel),
+            return read_verified(storage, rel, expected.get(rel),
                                  checksums=request["checksums"], decrypt=True)
 
         skipped: list[str] = []
@@ -327,7 +332,7 @@ class CheckpointableWorker:
             with torch.no_grad():  # as at a snapshot: the template's DTensors resolve cheaply
                 template = self.ckpt_state_dict(kind)
             if dcp_metadata(request["dcp_dir"]) in expected:
-                reader = VerifyingStorageReader(saver.storage, request["dcp_dir"], expected,
+                reader = VerifyingStorageReader(storage, request["dcp_dir"], expected,
                                                 checksums=request["checksums"])
                 reader.prefetch(overlapping_ranks(self.ckpt_rank, self.ckpt_world_size,
                                                   request["saved_world_size"]))

@@ -1,6 +1,6 @@
 """``raycheckpoint``: look at, verify, clean up and export checkpoints; no Ray needed.
 
-    raycheckpoint ls ROOT
+    raycheckpoint ls ROOT [--local DIR]
     raycheckpoint inspect REF [--all-tensors]
     raycheckpoint verify REF|ROOT
     raycheckpoint gc ROOT [--dry-run] [--keep-last-n N ...] [--grace-s S]
@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ls", help="committed checkpoints and uncommitted leftovers of a root")
     p.add_argument("root", metavar="ROOT")
+    p.add_argument("--local", metavar="DIR", default=None,
+                   help="a tiered job's local tier (checkpoint.local_dir): list both tiers, "
+                        "with the tiers that hold each checkpoint")
     _add_common(p)
 
     p = sub.add_parser("inspect", help="roles, world sizes, tensors, trainer state, version")

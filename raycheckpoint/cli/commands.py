@@ -27,7 +27,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     from raycheckpoint import admin
 
-    doc = admin.list_root(admin.open_root(args.root, storage_options(args)))
+    root = admin.open_root(args.root, storage_options(args))
+    doc = (admin.list_root(root) if args.local is None
+           else admin.list_tiers(root, admin.open_root(args.local)))
     if args.json:
         emit_json(doc)
         return EXIT_OK
@@ -35,16 +37,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not doc["checkpoints"]:
         out.print(f"no checkpoints under {doc['root']}")
         return EXIT_OK
-    table = Table(title=f"{doc['root']}  (LATEST -> {doc['latest'] or 'none'})", title_justify="left")
-    for col in ("step", "name", "kind", "tags", "metrics", "size", "age", "state", "verified"):
+    title = f"{doc['root']}  (LATEST -> {doc['latest'] or 'none'})"
+    if "local" in doc:
+        title += f"\nlocal tier {doc['local']['root']}  (LATEST -> {doc['local']['latest'] or 'none'})"
+    table = Table(title=title, title_justify="left")
+    columns = ["step", "name", "kind", "tags", "metrics", "size", "age", "state", "verified"]
+    for col in columns + (["tiers"] if "local" in doc else []):
         table.add_column(col, justify="right" if col in ("step", "size", "age") else "left")
     now = time.time()
     for r in doc["checkpoints"]:
         state = r["state"] + (" LATEST" if r["latest"] else "")
         style = "yellow" if r["state"] != "committed" else ("bold" if r["latest"] else None)
+        tiers = [", ".join(t if s == "committed" else f"{t}: {s}" for t, s in r["tiers"].items())
+                 ] if "tiers" in r else []
         table.add_row(str(r["step"]), r["name"], r["kind"] or "-", ",".join(r["tags"]) or "-",
                       metrics_text(r["metrics"]) or "-", human_bytes(r["bytes"]),
-                      human_age(r["age_s"]), state, verified_text(r.get("verified"), now),
+                      human_age(r["age_s"]), state, verified_text(r.get("verified"), now), *tiers,
                       style="red" if (r.get("verified") or {}).get("ok") is False else style)
     out.print(table)
     lease = doc["lease"]

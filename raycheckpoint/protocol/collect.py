@@ -32,13 +32,16 @@ logger = logging.getLogger(__name__)
 
 class Collector:
     """Recovery, leftovers and retention over ``root``; ``in_flight()`` names the step
-    directories of saves still running (never touched).  The caller serialises calls."""
+    directories of saves still running (never touched), ``also_protected()`` other
+    checkpoints retention keeps (name -> why).  The caller serialises calls."""
 
     def __init__(self, root: RootState, policy: RetentionPolicy,
-                 in_flight: Callable[[], set[str]] = set) -> None:
+                 in_flight: Callable[[], set[str]] = set, *,
+                 also_protected: Callable[[], dict[str, str]] = dict) -> None:
         self.root = root
         self.policy = policy
         self.in_flight = in_flight
+        self.also_protected = also_protected  # more names never deleted -> why
 
     def recover(self, *, dry_run: bool = False, grace_s: float = 0.0) -> dict[str, Any]:
         """Make the caches agree with the markers; collect leftovers; apply retention.
@@ -119,6 +122,7 @@ class Collector:
             out[name] = "just committed"
         for name in self.in_flight():
             out[name] = "a save is in flight"
+        out.update(self.also_protected())
         verified = self.root.newest_verified()
         if verified is not None:
             out[verified] = "the newest checkpoint that passed background verification"

@@ -40,6 +40,7 @@ class SaveRecord:
     deadline: float
     frozen: dict[str, str] = field(default_factory=dict)  # role -> identity
     reused: dict[str, str] = field(default_factory=dict)  # role -> checkpoint holding its bytes
+    replicate: bool = False  # a tiered job copies it to the durable tier whatever the interval
     started: float = field(default_factory=time.time)
     reports: dict[tuple[str, int], list[FileEntry]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)

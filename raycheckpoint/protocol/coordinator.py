@@ -49,6 +49,7 @@ from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.collect import Collector
 from raycheckpoint.protocol.commit import SaveRecord, commit
 from raycheckpoint.protocol.paths import step_dir_name, validate_tag
+from raycheckpoint.protocol.replicate import DurableTier
 from raycheckpoint.protocol.root import RootState
 from raycheckpoint.protocol.verification import VerificationQueue
 from raycheckpoint.storage import FileEntry, Storage, StorageSpec
@@ -67,18 +68,22 @@ def actor_name(storage: Storage) -> str:
 
 
 def start(spec: StorageSpec, config: CheckpointConfig, lease_job_id: str | None,
-          verifier: Callable[[StorageSpec], Any] | None = None) -> Any:
+          verifier: Callable[[StorageSpec], Any] | None = None, *,
+          durable: StorageSpec | None = None, durable_lease_job_id: str | None = None) -> Any:
     """Start the coordinator of ``spec``'s root as a named, threaded Ray actor;
-    ``verifier(spec)`` starts the background verifier when a verification is due."""
+    ``verifier(spec)`` starts the background verifier when a verification is due.
+    ``durable``: a tiered job's durable root, where committed checkpoints of ``spec``
+    (the local tier) are replicated; the actor is then named after it."""
     import ray
 
-    name = actor_name(spec.open())
+    name = actor_name((durable or spec).open())
     deadline = time.monotonic() + 30
     while True:
         try:
             return ray.remote(CheckpointCoordinator).options(
                 name=name, namespace=NAMESPACE, max_concurrency=64,
-                num_cpus=0).remote(spec, config, lease_job_id=lease_job_id, verifier=verifier)
+                num_cpus=0).remote(spec, config, lease_job_id=lease_job_id, verifier=verifier,
+                                   durable=durable, durable_lease_job_id=durable_lease_job_id)
         except ValueError as e:  # the name is held: a previous coordinator still shutting down
             if time.monotonic() > deadline:
                 raise RuntimeError(
@@ -90,7 +95,9 @@ def start(spec: StorageSpec, config: CheckpointConfig, lease_job_id: str | None,
 class CheckpointCoordinator:
     def __init__(self, storage: StorageSpec, config: CheckpointConfig, *, recover: bool = True,
                  lease_job_id: str | None = None,
-                 verifier: Callable[[StorageSpec], Any] | None = None) -> None:
+                 verifier: Callable[[StorageSpec], Any] | None = None,
+                 durable: StorageSpec | None = None,
+                 durable_lease_job_id: str | None = None) -> None:
         process_exit.install()  # never hang in Ray's C++ teardown (_internal/exit.py)
         self.spec = storage
         self.storage = storage.open()
@@ -102,8 +109,20 @@ class CheckpointCoordinator:
         self._last: SaveRecord | None = None
         self._workers: list[Any] = []
         self._requests: list[dict[str, Any]] = []
-        self.collector = Collector(self.root, RetentionPolicy.from_config(config), self._in_flight)
+        self.durable: DurableTier | None = None
+        policy = RetentionPolicy.from_config(config)
+        if durable is not None:  # this root is the local tier: see protocol/replicate.py
+            self.durable = DurableTier(self.storage, RootState(durable.open(), durable_lease_job_id),
+                                       policy, every=config.replicate_every or 1,
+                                       backlog=config.replication_backlog)
+            policy = RetentionPolicy(keep_last_n=config.keep_last_n_local,
+                                     keep_last_n_light=config.keep_last_n_light)
+        self.collector = Collector(self.root, policy, self._in_flight,
+                                   also_protected=self._waiting_for_replication)
         self.recovery = self._recover() if recover else {}
+        if self.durable is not None:
+            self.recovery["replication_resumed"] = self.durable.resume_pending(
+                self.root.sorted_markers())
         self._commits = 0
         self._verifications = VerificationQueue(self.spec, self.root, self._commit_lock,
                                                 timeout_s=config.save_wait_timeout_s,
@@ -112,6 +131,9 @@ class CheckpointCoordinator:
     def _recover(self, *, dry_run: bool = False, leftover_grace_s: float = 0.0) -> dict[str, Any]:
         with self._commit_lock:
             return self.collector.recover(dry_run=dry_run, grace_s=leftover_grace_s)
+
+    def _waiting_for_replication(self) -> dict[str, str]:
+        return {} if self.durable is None else self.durable.protected()
 
     def _in_flight(self) -> set[str]:
         with self._cond:
@@ -150,14 +172,16 @@ class CheckpointCoordinator:
 
     def begin(self, *, step: int, kind: str, tag: str | None, metrics: dict[str, float],
               trainer_state: dict[str, Any], expected: list[tuple[str, int]],
-              world_sizes: dict[str, int], frozen: dict[str, str] | None = None) -> dict[str, Any]:
+              world_sizes: dict[str, int], frozen: dict[str, str] | None = None,
+              replicate: bool = False) -> dict[str, Any]:
         """Reserve a save.
 
         Returns ``{"save_id", "name", "reused"}`` or ``{"existing": entry}``.  ``frozen``
         maps frozen roles to the identity of their weights; a role whose identical weights
         (same identity and world size) are in a committed checkpoint is not written again:
         it is listed in ``reused``, expects no reports, and the manifest references the
-        earlier bytes.
+        earlier bytes.  ``replicate``: a tiered job copies this checkpoint to its durable
+        tier whatever ``replicate_every`` says (train end, preemption).
         """
         if kind not in ("full", "light"):
             raise ValueError(f"kind must be 'full' or 'light', got {kind!r}")
@@ -193,7 +217,7 @@ class CheckpointCoordinator:
             save = SaveRecord(save_id=uuid.uuid4().hex[:12], name=name, step=step, kind=kind, tag=tag,
                          metrics=dict(metrics), trainer_state=dict(trainer_state),
                          world_sizes=dict(world_sizes), expected={tuple(e) for e in expected},
-                         frozen=frozen, reused=reused,
+                         frozen=frozen, reused=reused, replicate=replicate,
                          # until the driver says every snapshot is taken (snapshotted()),
                          # the snapshots themselves may wait for a previous persist
                          deadline=time.time() + self.config.save_wait_timeout_s
@@ -280,6 +304,15 @@ class CheckpointCoordinator:
             raise TimeoutError(f"clean-up after {save.name} not finished after {timeout}s")
         return None if save.cleanup is None else dict(save.cleanup)
 
+    def replication(self) -> dict[str, Any] | None:
+        """A tiered job's replication: ``{"pending", "last_error", "replicated", "durable"}``
+        (None when the job has one tier)."""
+        return None if self.durable is None else self.durable.status()
+
+    def wait_replication(self, timeout: float) -> bool:
+        """Wait until no replication is queued or running; False on timeout."""
+        return True if self.durable is None else self.durable.replicator.wait_idle(timeout)
+
     def gc(self, *, dry_run: bool = False, leftover_grace_s: float = 0.0) -> dict[str, Any]:
         """Re-read storage, repair LATEST/catalog, collect leftovers, apply retention
         (idempotent): :meth:`Collector.recover <raycheckpoint.protocol.collect.Collector.recover>`,
@@ -333,6 +366,8 @@ class CheckpointCoordinator:
                     w.ckpt_on_committed.remote(save.name, save.step)
                 except Exception as e:  # noqa: BLE001 - a dead worker must not fail a commit
                     logger.warning("broadcast of %s to a worker failed: %s", save.name, e)
+            if self.durable is not None:
+                self.durable.committed(save.name, tag=save.tag, always=save.replicate)
             save.cleanup = self.collector.clean_up_after(save.name)
             self._commits += 1
         every = self.config.verify_interval

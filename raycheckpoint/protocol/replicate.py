@@ -1,0 +1,274 @@
+"""Replication: a committed checkpoint of one tier copied to another, then committed there.
+
+DESIGN section 7.  :func:`replicate` copies what a committed checkpoint's manifest lists
+(its files as stored: encrypted bytes stay encrypted, under the same key), then the
+manifest itself, reads every copied byte back from the target and checks it against the
+manifest, and only then creates ``COMMITTED`` in the target (the source's marker, byte
+for byte), moves its ``LATEST``, writes the tag and the catalog.  The manifest of a
+checkpoint is therefore identical in every tier that holds it, and a tier never shows a
+partial checkpoint: a copy cut short (a crash, an outage) leaves a step directory
+without a marker, which the target's collection removes (:mod:`~raycheckpoint.protocol.collect`).
+
+:class:`Replicator` runs the replications of a job to its durable tier on one
+background thread, oldest first.  A failed one (the durable store is down, say) is
+retried, with a growing pause, until it succeeds or its checkpoint left the source
+tier; saves to the source tier go on meanwhile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from raycheckpoint._internal import faults
+from raycheckpoint.errors import IntegrityError
+from raycheckpoint.integrity.verify import CHUNK_BYTES, verify_files
+from raycheckpoint.policy.retention import RetentionPolicy
+from raycheckpoint.protocol import catalog
+from raycheckpoint.protocol.collect import Collector
+from raycheckpoint.protocol.format import Manifest
+from raycheckpoint.protocol.paths import CheckpointPaths, parse_step_dir
+from raycheckpoint.protocol.root import RootState
+from raycheckpoint.storage import FileEntry, Storage
+
+logger = logging.getLogger(__name__)
+
+
+def replicate(source: Storage, target: RootState, name: str) -> dict[str, Any]:
+    """Copy committed checkpoint ``name`` from ``source`` into ``target`` and commit it
+    there (see the module doc).  Returns ``{"name", "bytes", "files", "copied", "s"}``.
+
+    Files the target already holds with the manifest's size (frozen weights an earlier
+    replicated checkpoint holds) are not copied again; every file is verified in the
+    target all the same.
+    """
+    t0 = time.perf_counter()
+    marker = catalog.read_marker(source, name)
+    if marker is None:
+        raise FileNotFoundError(f"{name} is not committed in {source.url()}")
+    paths = CheckpointPaths(name)
+    manifest_bytes = source.read_bytes(paths.manifest)
+    if (len(manifest_bytes) != marker.manifest_size
+            or hashlib.sha256(manifest_bytes).hexdigest() != marker.manifest_sha256):
+        raise IntegrityError(f"{paths.manifest}: does not match its marker in {source.url()}",
+                             path=paths.manifest)
+    manifest = Manifest.from_bytes(manifest_bytes)
+    if catalog.read_marker(target.storage, name) is not None:
+        return {"name": name, "bytes": 0, "files": len(manifest.files), "copied": 0,
+                "s": time.perf_counter() - t0, "already": True}
+    if target.storage.list_dir(name):  # the leftover of a copy cut short
+        target.delete_step(name, target.referenced(target.markers))
+    copied = 0
+    for path, entry in sorted(manifest.files.items()):
+        if not paths.holds(path) and _holds(target.storage, path, entry):
+            continue  # bytes an earlier checkpoint's copy brought (deduplicated frozen role)
+        faults.check("replicate.file", path=path)
+        copy_file(source, target.storage, path, entry)
+        copied += entry.size
+    faults.check("replicate.verify", path=name)
+    verify_files(target.storage, manifest.files)  # read back: what the target holds
+    m_entry = target.storage.write_bytes(paths.manifest, manifest_bytes, checksum="sha256")
+    if m_entry.digest != marker.manifest_sha256:
+        raise IntegrityError(f"{target.storage.url(paths.manifest)}: written bytes do not match "
+                             "the marker", path=paths.manifest)
+    faults.check("replicate.before_marker", path=name)
+    target.check_lease()
+    target.storage.create_marker(paths.committed, marker.to_bytes())
+    target.committed(marker, manifest)
+    markers = target.sorted_markers()
+    if marker.kind == "full" and catalog.expected_latest(markers) == name:
+        target.write_latest(name)
+    target.reload_tags()
+    if marker.tag is not None:
+        target.write_tag(marker.tag, name)
+    target.write_catalog(markers)
+    return {"name": name, "bytes": marker.bytes, "files": len(manifest.files), "copied": copied,
+            "s": time.perf_counter() - t0}
+
+
+def copy_file(source: Storage, target: Storage, path: str, entry: FileEntry) -> None:
+    """Stream ``path``'s stored bytes from ``source`` to ``target`` (no decryption), checking
+    them against ``entry`` as they pass; retried whole on a transient error."""
+    def once() -> None:
+        with source.open_read(path) as f, target.open_write(path, checksum=entry.algorithm) as w:
+            while chunk := f.read(CHUNK_BYTES):
+                w.write(chunk)
+        written = w.close()
+        if written.size != entry.size or written.digest != entry.digest:
+            raise IntegrityError(f"{source.url(path)}: its bytes do not match the manifest",
+                                 path=path)
+
+    target.retrying("copy", path, once)
+
+
+def _holds(storage: Storage, path: str, entry: FileEntry) -> bool:
+    return storage.exists(path) and storage.size(path) == entry.size
+
+
+class Replicator:
+    """Replicates committed checkpoints of ``source`` into ``target`` on one thread.
+
+    ``collector`` applies the target's retention after each replication; ``on_done(name,
+    result_or_None, error_or_None)`` is told of every outcome.  :meth:`pending` is what
+    the source's retention must keep.
+    """
+
+    def __init__(self, source: Storage, target: RootState, collector: Collector, *,
+                 lock: threading.Lock, on_done: Callable[..., None] | None = None,
+                 retry_s: tuple[float, float] = (0.5, 30.0)) -> None:
+        self.source = source
+        self.target = target
+        self.collector = collector
+        self._lock = lock  # the target's state is shared with whoever else writes it
+        self._on_done = on_done or (lambda *a: None)
+        self._retry_s = retry_s
+        self._cond = threading.Condition()
+        self._queue: list[str] = []  # oldest first
+        self._current: str | None = None
+        self._closed = False
+        self.results: dict[str, dict[str, Any]] = {}
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="raycheckpoint-replicate")
+        self._thread.start()
+
+    def enqueue(self, name: str) -> None:
+        with self._cond:
+            if name not in self._queue and name != self._current:
+                self._queue.append(name)
+                self._queue.sort(key=_step_of)
+            self._cond.notify_all()
+
+    def pending(self) -> list[str]:
+        """Checkpoints queued or being copied, oldest first."""
+        with self._cond:
+            current = [] if self._current is None else [self._current]
+            return current + [n for n in self._queue if n != self._current]
+
+    def wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._current is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.5))
+        return True
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        pause = self._retry_s[0]
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                name = self._current = self._queue.pop(0)
+            try:
+                if catalog.read_marker(self.source, name) is None:
+                    logger.warning("replication of %s dropped: the source tier no longer "
+                                   "holds it", name)
+                    self._done(name, None, "gone from the source tier")
+                    continue
+                with self._lock:
+                    result = replicate(self.source, self.target, name)
+                    result["cleanup"] = self.collector.clean_up_after(name)
+                self.last_error, pause = None, self._retry_s[0]
+                self._done(name, result, None)
+            except Exception as e:  # noqa: BLE001 - retried: the durable store may be down
+                self.last_error = f"{type(e).__name__}: {e}"
+                logger.warning("replication of %s failed (%s); retrying in %.1fs", name,
+                               self.last_error, pause)
+                with self._cond:
+                    self._queue.insert(0, name)
+                    self._current = None
+                    self._cond.wait(pause)
+                pause = min(pause * 2, self._retry_s[1])
+
+    def _done(self, name: str, result: dict[str, Any] | None, error: str | None) -> None:
+        if result is not None:
+            self.results[name] = result
+        with self._cond:
+            self._current = None
+            self._cond.notify_all()
+        self._on_done(name, result, error)
+
+
+def _step_of(name: str) -> tuple[int, str]:
+    return (parse_step_dir(name) or 0, name)
+
+
+class DurableTier:
+    """The durable tier of a tiered job, as its coordinator sees it: the root, its
+    retention, and which committed local checkpoints go there (see
+    ``CheckpointConfig.replicate_every``)."""
+
+    def __init__(self, source: Storage, target: RootState, policy: RetentionPolicy, *,
+                 every: int, backlog: int) -> None:
+        self.root = target
+        self.every = max(1, every)
+        self.backlog = backlog
+        self.lock = threading.Lock()
+        self.collector = Collector(target, policy, self._copying)
+        with self.lock:
+            self.recovery = self.collector.recover()  # a copy cut short is collected here
+        self.replicator = Replicator(source, target, self.collector, lock=self.lock,
+                                     on_done=self._done)
+        self._commits = 0
+        self.behind_warned = False
+
+    def _copying(self) -> set[str]:
+        current = self.replicator.pending()[:1] if hasattr(self, "replicator") else []
+        return set(current)
+
+    def resume_pending(self, source_markers: list[Any]) -> list[str]:
+        """At start: the newest committed full checkpoint of the source tier is queued when
+        the durable tier has nothing as new (replications cut short by a crash)."""
+        durable = [m for m in self.root.sorted_markers() if m.kind == "full"]
+        newest = max((m for m in source_markers if m.kind == "full"), key=catalog.order_key,
+                     default=None)
+        if newest is None or (durable and catalog.order_key(durable[-1]) >= catalog.order_key(newest)):
+            return []
+        self.replicator.enqueue(newest.name)
+        return [newest.name]
+
+    def committed(self, name: str, *, tag: str | None, always: bool) -> bool:
+        """A checkpoint was committed in the source tier; queue it when due.  True if queued."""
+        self._commits += 1
+        if not (always or tag is not None or self._commits % self.every == 0):
+            return False
+        self.replicator.enqueue(name)
+        pending = self.replicator.pending()
+        if len(pending) > self.backlog:
+            logger.warning(
+                "replication is behind: %d checkpoints wait for the durable tier %s (bound "
+                "checkpoint.replication_backlog=%d; the oldest beyond it may leave the local "
+                "tier before they are copied); last error: %s", len(pending),
+                self.root.storage.url(), self.backlog, self.replicator.last_error)
+            self.behind_warned = True
+        return True
+
+    def protected(self) -> dict[str, str]:
+        """Source-tier checkpoints its retention must keep: those waiting for the durable
+        tier, the oldest ``backlog`` of them."""
+        return {n: "waiting for replication to the durable tier"
+                for n in self.replicator.pending()[:self.backlog]}
+
+    def status(self) -> dict[str, Any]:
+        return {"pending": self.replicator.pending(), "last_error": self.replicator.last_error,
+                "replicated": sorted(self.replicator.results),
+                "durable": [m.name for m in self.root.sorted_markers()]}
+
+    def _done(self, name: str, result: dict[str, Any] | None, error: str | None) -> None:
+        if result is not None:
+            logger.info("replicated %s to %s: %d bytes copied in %.2fs", name,
+                        self.root.storage.url(), result["copied"], result["s"])

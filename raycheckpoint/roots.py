@@ -1,0 +1,105 @@
+"""The roots a job writes: its durable root and, for a tiered job, its local tier.
+
+``save_dir`` is the durable root (any fsspec URI).  With ``checkpoint.local_dir`` set
+the job is tiered (DESIGN section 7): the workers write and the coordinator commits in
+the local directory, and committed checkpoints are replicated to ``save_dir`` in the
+background (:mod:`raycheckpoint.protocol.replicate`).  Each root is guarded by its own
+lease, taken before anything under it is touched.
+
+The local tier must be one directory that every rank and the coordinator see: a
+machine's own disk when the job runs on one node, or a filesystem every node mounts.
+:meth:`JobRoots.check_visible` proves it at start (a file the coordinator writes, which
+every rank must read) and refuses a job whose ranks would each see their own disk:
+per-node local directories are not supported in this release.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from raycheckpoint.config import CheckpointConfig
+from raycheckpoint.protocol.lease import Lease
+from raycheckpoint.storage import Storage, StorageSpec
+
+logger = logging.getLogger(__name__)
+
+PROBE_PREFIX = ".visible-"  # the file check_visible writes and every rank must see
+
+
+@dataclass
+class JobRoots:
+    durable: StorageSpec
+    local: StorageSpec | None = None
+    leases: dict[str, Lease] = field(default_factory=dict)  # "durable" / "local" -> lease
+
+    @property
+    def write(self) -> StorageSpec:
+        """Where the workers write and the coordinator commits."""
+        return self.local or self.durable
+
+    def lease_id(self, tier: str) -> str | None:
+        lease = self.leases.get(tier)
+        return None if lease is None else lease.job_id
+
+    def release(self) -> None:
+        for lease in self.leases.values():
+            lease.release()
+
+    def write_probe(self) -> str | None:
+        """Write the file every rank must see in the local tier (None: not tiered)."""
+        if self.local is None:
+            return None
+        probe = PROBE_PREFIX + uuid.uuid4().hex[:12]
+        self.local.open().write_pointer(probe, b"raycheckpoint: every rank must see this file")
+        return probe
+
+    def check_visible(self, probe: str | None, seen: list[tuple[str, bool]]) -> None:
+        """``seen``: (rank, whether it found ``probe``); refuse when any did not."""
+        if probe is None:
+            return
+        self.local.open().delete(probe)
+        blind = [who for who, ok in seen if not ok]
+        if blind:
+            raise ValueError(
+                f"checkpoint.local_dir={self.local.uri} is not one directory every rank sees: "
+                f"{', '.join(blind)} cannot see what the driver wrote there (a disk of its own "
+                "node).  The local tier must be this machine's disk on a one-node job, or a "
+                "filesystem every node mounts; per-node local directories are not supported "
+                "in this release")
+
+
+def open_roots(config: CheckpointConfig, cipher: Any) -> JobRoots:
+    """The job's roots, leased (see the module doc)."""
+    def spec(uri: str, options: dict[str, Any]) -> StorageSpec:
+        return StorageSpec(uri, options, retries=config.storage_retries, cipher=cipher,
+                           checksum=config.checksum_algorithm, direct_io=config.direct_io)
+
+    roots = JobRoots(durable=spec(config.save_dir, dict(config.storage_options)))
+    if config.local_dir is not None:
+        roots.local = spec(config.local_dir, {})
+    for tier, s in (("durable", roots.durable), ("local", roots.local)):
+        if s is None:
+            continue
+        storage = s.open()
+        if not storage.caps.shared:
+            raise ValueError(f"{s.uri!r} is process-local (memory://): Ray workers run in other "
+                             "processes and cannot write there; use a directory or s3://")
+        if config.lease:  # refuse (naming the holder) before touching anything under a root
+            try:
+                roots.leases[tier] = _lease(storage, config)
+            except BaseException:
+                roots.release()
+                raise
+    return roots
+
+
+def _lease(storage: Storage, config: CheckpointConfig) -> Lease:
+    lease = Lease(storage, job_name=config.job_name, ttl_s=config.lease_ttl_s,
+                  takeover=config.lease_takeover, wait_s=config.lease_wait_s).acquire()
+    if lease.took_over is not None:
+        logger.warning("took over the lease of %s from %s", storage.url(),
+                       lease.took_over.describe())
+    return lease
