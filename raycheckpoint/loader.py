@@ -113,10 +113,10 @@ class CheckpointLoader:
                 more = i + 1 < len(candidates)
                 if ref != "auto" and not (more and candidates[i + 1][0] == name):
                     raise
-                warnings.warn(f"checkpoint {name} in {tier.url()} failed verification, trying "
+                warnings.warn(f"checkpoint {name}{self._in(tier)} failed verification, trying "
                               + ("its copy in another tier" if more and candidates[i + 1][0] == name
                                  else "an older one") + f": {e}", RuntimeWarning, stacklevel=3)
-                failures.append(f"{name} ({tier.url()}): {e}")
+                failures.append(f"{name}{self._in(tier)}: {e}")
                 last = e
         if ref != "auto" and last is not None:
             raise last
@@ -139,7 +139,7 @@ class CheckpointLoader:
         for storage in tiers:
             markers, _, bad = catalog.scan_all(storage)
             for name, error in sorted(bad.items()):
-                warnings.warn(f"checkpoint {name} in {storage.url()} is skipped: {error}",
+                warnings.warn(f"checkpoint {name}{self._in(storage)} is skipped: {error}",
                               RuntimeWarning, stacklevel=4)
                 failures.append(f"{name}: {error}")
             verification = catalog.read_verification(storage)
@@ -148,7 +148,7 @@ class CheckpointLoader:
                     continue
                 record = verification.get(m.name) or {}
                 if record.get("ok") is False:
-                    warnings.warn(f"checkpoint {m.name} in {storage.url()} is skipped: it failed "
+                    warnings.warn(f"checkpoint {m.name}{self._in(storage)} is skipped: it failed "
                                   f"background verification: {record.get('error')}",
                                   RuntimeWarning, stacklevel=4)
                     failures.append(f"{m.name}: failed background verification: "
@@ -191,7 +191,8 @@ class CheckpointLoader:
         check_key(ck.manifest.encryption, self.cipher, name)
         report = ResumeReport(ck, passed_over)
         tier = self._tier_name(storage)
-        report.check(f"read from {tier}: {storage.url()}")
+        if self.durable is not None:
+            report.check(f"read from the {tier}: {storage.url()}")
         if not weights_only and ck.kind == "light":
             if strict:
                 raise LightCheckpointError(
@@ -259,11 +260,16 @@ class CheckpointLoader:
         result = LoadResult(name=name, step=ck.step, kind=ck.kind, epoch=ts.get("epoch"),
                             metrics=ts.get("metrics") or {}, trainer_state=ts, skipped=skipped,
                             resharded=resharded, tier=tier, load_s=time.perf_counter() - t0)
-        report.loaded(f"every role from the {tier} in {result.load_s:.2f}s")
+        if self.durable is not None:
+            report.loaded(f"every role from the {tier} in {result.load_s:.2f}s")
         result.report = report.lines(self.groups, weights_only=weights_only, result=result)
         if self.config.debug:
             print("\n".join(result.report), flush=True)
         return result
+
+    def _in(self, storage: Storage) -> str:
+        """`` in the local tier`` / `` in the durable tier`` (nothing for a one-root job)."""
+        return "" if self.durable is None else f" in the {self._tier_name(storage)}"
 
     def _tier_name(self, storage: Storage) -> str:
         if self.durable is None:

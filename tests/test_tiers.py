@@ -20,7 +20,7 @@ from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.paths import CheckpointPaths
 from raycheckpoint.roots import JobRoots
 from raycheckpoint.storage import StorageSpec
-from tests.helpers import RPC_TIMEOUT, assert_same, full_state, manager, train
+from tests.helpers import REPORTS, RPC_TIMEOUT, assert_same, full_state, manager, train
 from tests.s3proxy import FaultProxy
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(300)]
@@ -259,3 +259,33 @@ def test_retention_per_tier_over_thirty_saves(group2, tmp_path, s3_root):
     assert [m.kind for m in catalog.scan(durable)[0]] == ["light", "light", "full", "full"]
     assert committed(disk) == ["step_00000027", "step_00000028", "step_00000029", "step_00000030"]
     assert catalog.scan(disk)[1] == [] and catalog.scan(durable)[1] == []
+
+
+@pytest.mark.slow
+def test_a_lost_node_and_its_disk_resume_from_s3_on_a_replacement(tmp_path, s3_server):
+    """tests/cluster/node_loss.py: a three-node Ray cluster on this machine."""
+    import os
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="rcn", dir="/tmp")  # short: Ray's sockets live there
+    options = s3_server["options"]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.cluster.node_loss", base, options["endpoint_url"],
+             options["key"], options["secret"]], capture_output=True, text=True, timeout=280,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(lines[-1])
+    assert out["rank_nodes"] == 2, out  # one rank on each worker node
+    assert out["durable_before"] == ["step_00000002", "step_00000004"], out
+    assert out["local_before"] == ["step_00000004", "step_00000005"], out
+    # step 5 was only on the lost disk: the newest durable one, on the replacement node
+    assert out["resumed"] == {"name": "step_00000004", "tier": "durable tier"}, out
+    assert out["replacement_used"] and out["bitwise"] is True, out
+    REPORTS.append(f"node loss (tiered, 2 ranks on 2 nodes): resumed {out['resumed']['name']} from "
+                   f"the {out['resumed']['tier']} on a replacement node, bit for bit; new job "
+                   f"start to loaded {out['recovery_s']:.1f} s (the load itself "
+                   f"{out['load_s']:.2f} s)")

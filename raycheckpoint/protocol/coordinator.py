@@ -75,14 +75,17 @@ def start(spec: StorageSpec, config: CheckpointConfig, lease_job_id: str | None,
     ``durable``: a tiered job's durable root, where committed checkpoints of ``spec``
     (the local tier) are replicated; the actor is then named after it."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     name = actor_name((durable or spec).open())
+    # on the driver's node where it can: a coordinator on a worker node dies with that node
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     deadline = time.monotonic() + 30
     while True:
         try:
             return ray.remote(CheckpointCoordinator).options(
-                name=name, namespace=NAMESPACE, max_concurrency=64,
-                num_cpus=0).remote(spec, config, lease_job_id=lease_job_id, verifier=verifier,
+                name=name, namespace=NAMESPACE, max_concurrency=64, num_cpus=0,
+                scheduling_strategy=here).remote(spec, config, lease_job_id=lease_job_id, verifier=verifier,
                                    durable=durable, durable_lease_job_id=durable_lease_job_id)
         except ValueError as e:  # the name is held: a previous coordinator still shutting down
             if time.monotonic() > deadline:

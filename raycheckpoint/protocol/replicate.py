@@ -184,6 +184,10 @@ class Replicator:
                     result["cleanup"] = self.collector.clean_up_after(name)
                 self.last_error, pause = None, self._retry_s[0]
                 self._done(name, result, None)
+            except IntegrityError as e:  # the source copy is bad: no retry makes it good
+                self.last_error = f"{type(e).__name__}: {e}"
+                logger.error("replication of %s dropped: %s", name, self.last_error)
+                self._done(name, None, self.last_error)
             except Exception as e:  # noqa: BLE001 - retried: the durable store may be down
                 self.last_error = f"{type(e).__name__}: {e}"
                 logger.warning("replication of %s failed (%s); retrying in %.1fs", name,

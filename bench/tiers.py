@@ -1,0 +1,160 @@
+"""Tiered saves against a direct save to the durable store, side by side in one run.
+
+    python -m bench.save_latency --tiers local,durable --ranks 2 --bytes-per-rank 64MB \\
+        --storage moto:// --local-dir /tmp/bench-nvme --out bench/results/tiers
+
+One FSDP2 group (model + AdamW of the given size per rank) saves the same state, in
+alternating rounds, to the durable store directly (``save_dir`` only) and tiered
+(``checkpoint.local_dir`` first, then replicated to ``save_dir``).  Measured in the same
+run:
+
+* **stall**: training blocked by each save (tiered / direct: the target is <= 1.05);
+* **local commit**: a tiered save until it is committed in the local tier, against a
+  sequential write + fsync of the same bytes to the same local disk (target <= 1.2);
+* **recovery**: the same checkpoint loaded from the local tier and from the durable
+  tier (each verified, into the same ranks; durable / local);
+* **step beside replication**: a training step while the previous checkpoint is being
+  replicated, against a step alone (target <= 1.10).
+
+Each figure is the median over ``--repeat`` rounds after one warm-up round.  The memory
+tier (``checkpoint.memory_replicas``) is not available in this release.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import ray
+
+from bench._harness import TIMEOUT_S, BenchStorage, Where, _group, _kill, _max, _median, _settle
+from bench._ranks import model_dims
+from raycheckpoint import CheckpointConfig, CheckpointManager
+
+TIERS = ("local", "durable")
+TARGETS = {"stall_ratio": 1.05, "local_commit_ratio": 1.2, "step_beside_ratio": 1.10}
+
+
+def _manager(durable: BenchStorage, group: list[Any], name: str,
+             local_dir: str | None) -> CheckpointManager:
+    cfg = CheckpointConfig(save_dir=durable.url(name), storage_options=durable.options,
+                           local_dir=local_dir, replicate_every=1, keep_last_n=1,
+                           keep_last_n_local=1, publish_metrics=False, job_name=f"bench-{name}",
+                           commit_timeout_s=TIMEOUT_S, rpc_timeout_s=TIMEOUT_S)
+    return CheckpointManager(cfg, {"actor": group})
+
+
+def _replicated(manager: CheckpointManager) -> float:
+    t0 = time.perf_counter()
+    assert ray.get(manager.coordinator.wait_replication.remote(TIMEOUT_S), timeout=TIMEOUT_S + 60)
+    return time.perf_counter() - t0
+
+
+def _steps(group: list[Any], n: int, batch: int, seq: int) -> list[float]:
+    return [_max([w.train_step.remote(batch, seq) for w in group]) for _ in range(n)]
+
+
+def run_tiers(ranks: int, bytes_per_rank: int, durable: BenchStorage, *, local_root: str,
+              repeat: int = 3, step_batch: int = 4, step_seq: int = 64, log=print
+              ) -> dict[str, Any]:
+    d = model_dims(ranks * bytes_per_rank)
+    group, placement = _group(ranks, d, durable, Where())
+    info = ray.get([w.ready.remote() for w in group], timeout=TIMEOUT_S)
+    state_bytes = sum(i["bytes"] for i in info)
+    log(f"== tiers: {ranks} ranks x {state_bytes / ranks / 1e6:.0f} MB; durable {durable.kind}, "
+        f"local {local_root}")
+    direct = _manager(durable, group, "direct", None)
+    tiered = _manager(durable, group, "tiered", os.path.join(local_root, "tiered"))
+    s: dict[str, list[float]] = {k: [] for k in (
+        "stall_direct_s", "stall_tiered_s", "durable_direct_s", "local_commit_s",
+        "raw_write_fsync_s", "replicated_s", "load_local_s", "load_durable_s", "step_alone_s",
+        "step_beside_s")}
+    raw = f"{local_root}/raw"
+    try:
+        for rnd in range(repeat + 1):
+            order = ("direct", "tiered") if rnd % 2 == 0 else ("tiered", "direct")
+            got: dict[str, float] = {}
+            for which in order:
+                m = direct if which == "direct" else tiered
+                m.update(step=rnd + 1)
+                _settle(group, durable)
+                t0 = time.perf_counter()
+                handle = m.save_checkpoint()
+                handle.wait(TIMEOUT_S)
+                got[f"stall_{which}_s"] = handle.stall_s
+                if which == "direct":
+                    got["durable_direct_s"] = time.perf_counter() - t0
+                    m.wait_for_cleanup(TIMEOUT_S)
+                    continue
+                got["local_commit_s"] = time.perf_counter() - t0
+                # a step while the checkpoint is replicated, then the replication's rest
+                got["step_beside_s"] = _median(_steps(group, 3, step_batch, step_seq))
+                got["replicated_s"] = got["local_commit_s"] + _replicated(m)
+                m.wait_for_cleanup(TIMEOUT_S)
+            got["step_alone_s"] = _median(_steps(group, 3, step_batch, step_seq))
+            os.makedirs(raw, exist_ok=True)
+            got["raw_write_fsync_s"] = max(ray.get(
+                [w.raw_write.remote(raw) for w in group], timeout=TIMEOUT_S))
+            shutil.rmtree(raw, ignore_errors=True)
+            # recovery of the same checkpoint: from the local tier, then (its local copy
+            # moved away, as when the node is lost) from the durable tier
+            got["load_local_s"], got["load_durable_s"] = _recoveries(tiered, local_root)
+            if rnd == 0:
+                continue  # warm-up
+            for k, v in got.items():
+                s[k].append(v)
+    finally:
+        for m in (direct, tiered):
+            m.close(TIMEOUT_S)
+        _kill(group, placement)
+    med = {k: _median(v) for k, v in s.items()}
+    ratios = {
+        "stall_ratio": med["stall_tiered_s"] / med["stall_direct_s"],
+        "local_commit_ratio": med["local_commit_s"] / med["raw_write_fsync_s"],
+        "durable_over_local_load": med["load_durable_s"] / med["load_local_s"],
+        "step_beside_ratio": med["step_beside_s"] / med["step_alone_s"],
+        "tiered_replicated_over_direct": med["replicated_s"] / med["durable_direct_s"],
+    }
+    return {"config": {"ranks": ranks, "bytes": state_bytes, "durable": durable.kind,
+                       "repeat": repeat}, "medians": med, "samples": s, "ratios": ratios,
+            "targets": {k: {"target": t, "met": ratios[k] <= t} for k, t in TARGETS.items()}}
+
+
+def _recoveries(manager: CheckpointManager, local_root: str) -> tuple[float, float]:
+    local = os.path.join(local_root, "tiered")
+    name = manager.replication()["durable"][-1]
+    loaded = manager.load_checkpoint(name)
+    assert loaded.tier == "local tier", loaded.tier
+    aside = tempfile.mkdtemp(dir=local_root, prefix="aside-")
+    os.rename(os.path.join(local, name), os.path.join(aside, name))
+    try:
+        from_durable = manager.load_checkpoint(name)
+        assert from_durable.tier == "durable tier", from_durable.tier
+    finally:
+        os.rename(os.path.join(aside, name), os.path.join(local, name))
+        shutil.rmtree(aside, ignore_errors=True)
+    return loaded.load_s, from_durable.load_s
+
+
+def tiers_table(result: dict[str, Any]) -> str:
+    m, r = result["medians"], result["ratios"]
+    c = result["config"]
+    lines = [f"tiers: {c['ranks']} ranks, {c['bytes'] / 1e6:.0f} MB in all; durable "
+             f"{c['durable']}; medians of {c['repeat']} rounds",
+             "| measure | direct to durable | tiered (local, durable) | ratio | target |",
+             "|---|---|---|---|---|",
+             f"| stall (s) | {m['stall_direct_s']:.3f} | {m['stall_tiered_s']:.3f} | "
+             f"{r['stall_ratio']:.2f} | <= 1.05 |",
+             f"| committed (s) | {m['durable_direct_s']:.3f} (durable) | {m['local_commit_s']:.3f} "
+             f"(local) | {r['local_commit_ratio']:.2f} x write+fsync {m['raw_write_fsync_s']:.3f} s "
+             "| <= 1.2 |",
+             f"| in the durable tier (s) | {m['durable_direct_s']:.3f} | {m['replicated_s']:.3f} | "
+             f"{r['tiered_replicated_over_direct']:.2f} | - |",
+             f"| recovery (s) | durable {m['load_durable_s']:.3f} | local {m['load_local_s']:.3f} | "
+             f"{r['durable_over_local_load']:.2f} (durable / local) | - |",
+             f"| step (s) | alone {m['step_alone_s']:.3f} | beside replication "
+             f"{m['step_beside_s']:.3f} | {r['step_beside_ratio']:.2f} | <= 1.10 |"]
+    return "\n".join(lines)

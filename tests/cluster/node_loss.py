@@ -1,0 +1,116 @@
+"""A tiered job loses a whole node and resumes bit for bit (run by tests/test_tiers.py).
+
+    python -m tests.cluster.node_loss TEMP_DIR S3_ENDPOINT KEY SECRET
+
+On a three-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: a head and
+two worker nodes), a two-rank FSDP2 group runs one rank per worker node and saves
+tiered: the local tier in TEMP_DIR/nvme, the durable tier on the S3 server, every second
+checkpoint replicated.  After step 5 (local only; step 4 is durable) the node of rank 1
+is removed without a graceful stop (every Ray process of it SIGKILLed) and the local
+directory deleted, as a lost node's disk is.  A replacement node joins, a new group and
+manager start, and ``auto`` resumes.  Prints one JSON line: the tier and step resumed
+from, whether the state equals the one saved at step 4, and the recovery time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+
+import ray
+from ray.cluster_utils import Cluster
+
+from raycheckpoint import CheckpointConfig, CheckpointManager
+from raycheckpoint.protocol import catalog
+from raycheckpoint.storage import Storage
+from tests.helpers import assert_same
+from workers import FSDPTrainWorker, create_worker_group
+from workers.group import place_ranks
+
+TIMEOUT = 120
+
+
+def spread_group() -> tuple[list, list[str], object]:
+    """Two ranks, one per worker node; (actors, their node ids, their placement)."""
+    placement = place_ranks(2, resources={"CPU": 1}, strategy="STRICT_SPREAD", timeout_s=TIMEOUT)
+    group = create_worker_group(FSDPTrainWorker, role="actor", world_size=2, timeout_s=TIMEOUT,
+                                placement=placement)
+    where = ray.get([w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                     for w in group], timeout=TIMEOUT)
+    return group, where, placement
+
+
+def main(temp: str, endpoint: str, key: str, secret: str) -> int:
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    local = os.path.join(temp, "nvme")
+    root = f"s3://ckpt/node-loss-{uuid.uuid4().hex[:8]}"
+    options = {"endpoint_url": endpoint, "key": key, "secret": secret}
+    cfg = CheckpointConfig(save_dir=root, storage_options=options, local_dir=local,
+                           replicate_every=2, keep_last_n_local=2, publish_metrics=False,
+                           commit_timeout_s=60, rpc_timeout_s=TIMEOUT, save_wait_timeout_s=TIMEOUT,
+                           lease_ttl_s=5)
+    # the head holds no CPU for ranks: one rank per worker node (STRICT_SPREAD over two)
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 0, "temp_dir": os.path.join(temp, "ray"),
+                                      "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    ray.init(address=cluster.address)
+    out: dict = {}
+    try:
+        group, where, placement = spread_group()
+        out["rank_nodes"] = len(set(where))
+        m = CheckpointManager(cfg, {"actor": group})
+        for step in range(1, 6):
+            ray.get([w.train_step.remote(step) for w in group], timeout=TIMEOUT)
+            m.update(step=step)
+            m.save_checkpoint().wait(TIMEOUT)
+            if step == 4:
+                saved = ray.get([w.full_state.remote() for w in group], timeout=TIMEOUT)[0]
+                assert ray.get(m.coordinator.wait_replication.remote(60), timeout=TIMEOUT)
+        out["durable_before"] = sorted(x.name for x in catalog.scan(Storage(root, options))[0])
+        out["local_before"] = sorted(x.name for x in catalog.scan(Storage(local))[0])
+        # the node of rank 1 is lost: every Ray process of it SIGKILLed, its disk gone
+        doomed = next(n for n in nodes if n.node_id == where[1])
+        cluster.remove_node(doomed, allow_graceful=False)
+        deadline = time.monotonic() + 60  # the cluster notices (health checks), as a restart would
+        while any(n["NodeID"] == where[1] and n["Alive"] for n in ray.nodes()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the removed node is still alive to the cluster after 60 s")
+            time.sleep(0.5)
+        shutil.rmtree(local)
+        try:
+            m.close(10)
+        except Exception:  # noqa: BLE001 - its rank is dead: the old job cannot close cleanly
+            m.roots.release()
+        for w in group:
+            ray.kill(w)
+        placement.remove()
+        cluster.add_node(num_cpus=1)  # the replacement
+        t0 = time.perf_counter()
+        group, where2, _ = spread_group()
+        m = CheckpointManager(cfg, {"actor": group})
+        loaded = m.load_checkpoint("auto")
+        out["recovery_s"] = time.perf_counter() - t0
+        out["load_s"] = loaded.load_s
+        out["resumed"] = {"name": loaded.name, "tier": loaded.tier}
+        out["replacement_used"] = len(set(where2) - set(where)) == 1
+        now = ray.get([w.full_state.remote() for w in group], timeout=TIMEOUT)[0]
+        try:
+            assert_same(now, saved)
+            out["bitwise"] = True
+        except AssertionError as e:
+            out["bitwise"] = str(e)
+        m.close(60)
+    finally:
+        print(json.dumps(out), flush=True)
+        ray.shutdown()
+        cluster.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:5]))
