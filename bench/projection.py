@@ -35,6 +35,14 @@ HARDWARE = {
     "H100": Hardware("H100 (PCIe Gen5)", 8, 25.0, 10.0, 80.0),
 }
 MODELS = {"7B": 7e9, "70B": 70e9}
+# tiered saves (--tiers): assumptions, per node.  NVMe: vendor datasheets of PCIe Gen4
+# data-center SSDs give 2-4 GB/s sequential write per drive; 8 GB/s is a node striping 2-4
+# of them (8-GPU instances carry 4-8).  S3: the highest per-instance throughput measured by
+# s3-benchmark (github.com/dvassallo/s3-benchmark, 2019, all EC2 types) was 6.3 GB/s on a
+# p3dn.24xlarge (8 V100) and 8.0 GB/s on a c5n.18xlarge; S3 scales with prefixes, so the
+# aggregate is taken as nodes x per-node.
+NVME_GB_S = 8.0
+S3_NODE_GB_S = 6.0
 
 
 def project(params: float, gpus: int, hw: Hardware, calib: dict[str, float]) -> dict[str, float]:
@@ -91,6 +99,33 @@ def calibration(results: dict, virtual: dict | None) -> dict[str, float]:
     return out
 
 
+def project_tiers(params: float, gpus: int, hw: Hardware, ratio: float, nvme_gb_s: float,
+                  s3_gb_s: float) -> dict[str, float]:
+    """A tiered save: committed on each node's NVMe, then each node uploads its own ranks'
+    files to S3; against the same save straight to S3 (each node's link to S3)."""
+    node_bytes = params * STATE_BYTES_PER_PARAM / gpus * hw.gpus_per_node
+    return {"local_commit_s": node_bytes / (nvme_gb_s * 1e9) * ratio,
+            "s3_s": node_bytes / (s3_gb_s * 1e9)}
+
+
+def print_tiers(path: str, gpus: int, hardware: list[Hardware], nvme_gb_s: float,
+                s3_gb_s: float) -> None:
+    with open(path) as f:
+        ratio = max(1.0, json.load(f)["ratios"]["local_commit_ratio"])
+    print(f"\ntiered (calibration: local commit {ratio:.2f}x a write + fsync, measured): the time "
+          "to a committed checkpoint, and to the same bytes in S3")
+    print(f"{'model':<6}{'GPU':<18}{'GB/node':>8}{'local commit':>13}{'in S3':>8}")
+    for hw in hardware:
+        for model, params in MODELS.items():
+            r = project_tiers(params, gpus, hw, ratio, nvme_gb_s, s3_gb_s)
+            node_gb = params * STATE_BYTES_PER_PARAM / gpus * hw.gpus_per_node / 1e9
+            print(f"{model:<6}{hw.name:<18}{node_gb:>8.2f}{r['local_commit_s']:>12.2f}s"
+                  f"{r['s3_s']:>7.2f}s")
+    print(f"assumptions: NVMe {nvme_gb_s} GB/s per node, S3 {s3_gb_s} GB/s per node "
+          "(sources in bench/projection.py); the upload runs beside training and the "
+          "checkpoint is restorable from the local tier as soon as it is committed there.")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", required=True, help="results.json of bench.save_latency")
@@ -102,6 +137,10 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(f"--{key.lower()}-d2h-gb-s", type=float, default=hw.d2h_gb_s)
         p.add_argument(f"--{key.lower()}-node-write-gb-s", type=float, default=hw.node_write_gb_s)
         p.add_argument(f"--{key.lower()}-storage-gb-s", type=float, default=hw.storage_gb_s)
+    p.add_argument("--tiers", default=None,
+                   help="results.json of bench.save_latency --tiers: add the tiered projection")
+    p.add_argument("--nvme-gb-s", type=float, default=NVME_GB_S)
+    p.add_argument("--s3-node-gb-s", type=float, default=S3_NODE_GB_S)
     args = p.parse_args(argv)
     with open(args.results) as f:
         results = json.load(f)
@@ -137,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         for hw in hardware)
         + f"; {STATE_BYTES_PER_PARAM} bytes of state per parameter; {args.gpus} GPUs, FSDP full "
         "shard.")
+    if args.tiers:
+        print_tiers(args.tiers, args.gpus, hardware, args.nvme_gb_s, args.s3_node_gb_s)
 
 
 if __name__ == "__main__":

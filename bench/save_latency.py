@@ -389,8 +389,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="processes hosting the virtual ranks")
     p.add_argument("--shard-bytes", type=parse_bytes, default=parse_bytes("64KiB"),
                    help="bytes each virtual rank writes")
+    p.add_argument("--tiers", default=None, metavar="local,durable",
+                   help="tiered saves (checkpoint.local_dir, replicated to --storage) against "
+                        "direct saves to --storage (see bench/tiers.py)")
+    p.add_argument("--local-dir", default=None, help="the local tier for --tiers (default: a "
+                   "temporary directory)")
     p.add_argument("--out", default=None, help="write results.json and plot.png here")
     args = p.parse_args(argv)
+    if args.tiers:
+        from bench.tiers import main_tiers
+
+        return main_tiers(args, p)
     methods = tuple(m.strip() for m in args.methods.split(","))
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:

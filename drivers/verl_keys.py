@@ -53,7 +53,9 @@ def validate(opts: dict[str, Any]) -> None:
     for key, (accepted, reason) in REFUSED.items():
         if opts[key] != accepted and not (accepted is False and opts[key] in (None, False)):
             fail(f"{key}={opts[key]!r} is not supported: {reason}")
-    _contents(opts, SAVE_CONTENTS)
+    if EXPORT in _contents(opts, SAVE_CONTENTS) and opts.get("checkpoint.local_dir"):
+        fail(f"{SAVE_CONTENTS}: {EXPORT!r} with checkpoint.local_dir (tiered checkpoints) is not "
+             "available in this release: the export would not travel to the durable tier")
     if EXPORT in _contents(opts, LOAD_CONTENTS):
         fail(f"{LOAD_CONTENTS}: {EXPORT!r} is an export written beside a checkpoint, not part "
              "of what a resume loads")

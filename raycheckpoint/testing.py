@@ -25,6 +25,8 @@ point                              where
 ``replicate.file``                 replication to the durable tier, before copying a file
 ``replicate.verify``               replication, every file copied, before reading them back
 ``replicate.before_marker``        replication, verified, before ``COMMITTED`` in the target
+``replicate.after_marker``         replication, after ``COMMITTED``, before ``LATEST``
+``replicate.catalog``              replication, before the target's ``catalog.json``
 =================================  ===================================================
 
 Actions: ``raise`` (:class:`~raycheckpoint.errors.InjectedFault`), ``hang:<seconds>``,

@@ -39,10 +39,12 @@ def llama_dir(tmp_path_factory) -> Path:
     ('actor_rollout_ref.actor.checkpoint.load_contents=["model","optimizer","extra","hf_model"]',
      "not part of what a resume loads"),
     ("trainer.resume_mode=sometimes", "auto, disable or resume_path"),
+    ('actor_rollout_ref.actor.checkpoint.save_contents=["model","optimizer","extra","hf_model"] '
+     "checkpoint.local_dir=/mnt/nvme/ck", "would not travel to the durable tier"),
 ])
 def test_refused_verl_keys_say_why_in_one_line(arg, message):
     with pytest.raises(SystemExit) as e:
-        validate(parse_overrides([arg]))
+        validate(parse_overrides(arg.split(" ")))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -174,7 +174,8 @@ def test_an_s3_outage_stops_replication_not_training(group2, tmp_path, s3_server
     assert committed(Storage(local)) == ["step_00000002", "step_00000003"]
 
 
-@pytest.mark.parametrize("point", ["replicate.file", "replicate.before_marker"])
+@pytest.mark.parametrize("point", ["replicate.file", "replicate.before_marker",
+                                   "replicate.after_marker"])
 def test_a_coordinator_killed_while_replicating_leaves_no_partial_durable_checkpoint(
         point, group2, tmp_path, s3_root):
     root, options = s3_root
@@ -200,7 +201,8 @@ def test_a_coordinator_killed_while_replicating_leaves_no_partial_durable_checkp
         except Exception:  # noqa: BLE001 - its coordinator is dead: expected here
             m.roots.release()
     durable = Storage(root, options)
-    assert committed(durable) == ["step_00000001"]
+    marked = point == "replicate.after_marker"  # committed there, LATEST not yet moved
+    assert committed(durable) == ["step_00000001"] + ["step_00000002"] * marked
     assert catalog.read_latest(durable) == "step_00000001"
     partial = catalog.scan(durable)[1]
     assert partial == (["step_00000002"] if point == "replicate.before_marker" else partial)
@@ -210,6 +212,7 @@ def test_a_coordinator_killed_while_replicating_leaves_no_partial_durable_checkp
     try:
         assert ray.get(m.coordinator.wait_replication.remote(60), timeout=RPC_TIMEOUT)
         assert committed(durable) == ["step_00000001", "step_00000002"]
+        assert catalog.read_latest(durable) == "step_00000002"
         assert catalog.scan(durable)[1] == []
         assert admin.verify(f"{root}/step_00000002", options)["ok"]
         shutil.rmtree(local)

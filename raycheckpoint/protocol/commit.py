@@ -93,20 +93,28 @@ def commit(root: RootState, save: SaveRecord) -> dict[str, Any]:
                     bytes=manifest.total_bytes + m_entry.size, metrics=save.metrics,
                     tag=save.tag)
     faults.check("coordinator.before_marker", path=name)
-    root.check_lease()
-    s.create_marker(paths.committed, marker.to_bytes())
-    root.committed(marker, manifest)
-    faults.check("coordinator.after_marker", path=name)
-    markers = root.sorted_markers()
-    if save.kind == "full" and catalog.expected_latest(markers) == name:
-        root.write_latest(name)
-    root.reload_tags()
-    if save.tag is not None:
-        root.write_tag(save.tag, name)
-    faults.check("coordinator.catalog", path=name)
-    root.write_catalog(markers)
+    mark_committed(root, marker, manifest, point="coordinator")
     committed_at = time.time()
     return {"name": name, "step": save.step, "kind": save.kind, "tag": save.tag,
             "bytes": marker.bytes, "files": len(files),
             "persist_s": max(save.persist_s.values(), default=0.0),
             "total_s": committed_at - save.started}
+
+
+def mark_committed(root: RootState, marker: Marker, manifest: Manifest, *, point: str) -> None:
+    """Everything else of ``marker``'s checkpoint is written: check the lease, create
+    ``COMMITTED``, then move ``LATEST`` (full, and the newest), write the tag and the
+    catalog.  Fault points ``<point>.after_marker`` and ``<point>.catalog`` sit between."""
+    name = marker.name
+    root.check_lease()
+    root.storage.create_marker(CheckpointPaths(name).committed, marker.to_bytes())
+    root.committed(marker, manifest)
+    faults.check(f"{point}.after_marker", path=name)
+    markers = root.sorted_markers()
+    if marker.kind == "full" and catalog.expected_latest(markers) == name:
+        root.write_latest(name)
+    root.reload_tags()
+    if marker.tag is not None:
+        root.write_tag(marker.tag, name)
+    faults.check(f"{point}.catalog", path=name)
+    root.write_catalog(markers)

@@ -30,6 +30,7 @@ from raycheckpoint.integrity.verify import CHUNK_BYTES, verify_files
 from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.collect import Collector
+from raycheckpoint.protocol.commit import mark_committed
 from raycheckpoint.protocol.format import Manifest
 from raycheckpoint.protocol.paths import CheckpointPaths, parse_step_dir
 from raycheckpoint.protocol.root import RootState
@@ -76,16 +77,7 @@ def replicate(source: Storage, target: RootState, name: str) -> dict[str, Any]:
         raise IntegrityError(f"{target.storage.url(paths.manifest)}: written bytes do not match "
                              "the marker", path=paths.manifest)
     faults.check("replicate.before_marker", path=name)
-    target.check_lease()
-    target.storage.create_marker(paths.committed, marker.to_bytes())
-    target.committed(marker, manifest)
-    markers = target.sorted_markers()
-    if marker.kind == "full" and catalog.expected_latest(markers) == name:
-        target.write_latest(name)
-    target.reload_tags()
-    if marker.tag is not None:
-        target.write_tag(marker.tag, name)
-    target.write_catalog(markers)
+    mark_committed(target, marker, manifest, point="replicate")
     return {"name": name, "bytes": marker.bytes, "files": len(manifest.files), "copied": copied,
             "s": time.perf_counter() - t0}
 
