@@ -264,7 +264,7 @@ def test_retention_per_tier_over_thirty_saves(group2, tmp_path, s3_root):
     assert catalog.scan(disk)[1] == [] and catalog.scan(durable)[1] == []
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 def test_a_lost_node_and_its_disk_resume_from_s3_on_a_replacement(tmp_path, s3_server):
     """tests/cluster/node_loss.py: a three-node Ray cluster on this machine."""
     import os
