@@ -117,7 +117,8 @@ class CheckpointCoordinator:
         if durable is not None:  # this root is the local tier: see protocol/replicate.py
             self.durable = DurableTier(self.storage, RootState(durable.open(), durable_lease_job_id),
                                        policy, every=config.replicate_every or 1,
-                                       backlog=config.replication_backlog)
+                                       backlog=config.replication_backlog,
+                                       replicated=self._local_retention)
             policy = RetentionPolicy(keep_last_n=config.keep_last_n_local,
                                      keep_last_n_light=config.keep_last_n_light)
         self.collector = Collector(self.root, policy, self._in_flight,
@@ -135,7 +136,14 @@ class CheckpointCoordinator:
         with self._commit_lock:
             return self.collector.recover(dry_run=dry_run, grace_s=leftover_grace_s)
 
-    def _waiting_for_replication(self) -> dict[str, str]:
+    def _local_retention(self, name: str) -> None:
+        with self._commit_lock:  # a replication is over: what was kept for it may go
+            try:
+                self.collector.apply_retention(self.root.sorted_markers(), dict(self.root.tags))
+            except Exception:  # the next clean-up retries it
+                logger.exception("local retention after replicating %s failed", name)
+
+    def _waiting_for_replication(self) -> dict[str, str]:  # kept by the local retention
         return {} if self.durable is None else self.durable.protected()
 
     def _in_flight(self) -> set[str]:
@@ -308,8 +316,7 @@ class CheckpointCoordinator:
         return None if save.cleanup is None else dict(save.cleanup)
 
     def replication(self) -> dict[str, Any] | None:
-        """A tiered job's replication: ``{"pending", "last_error", "replicated", "durable"}``
-        (None when the job has one tier)."""
+        """A tiered job's replication (:meth:`DurableTier.status`); None with one tier."""
         return None if self.durable is None else self.durable.status()
 
     def wait_replication(self, timeout: float) -> bool:

@@ -193,10 +193,12 @@ class Replicator:
     def _done(self, name: str, result: dict[str, Any] | None, error: str | None) -> None:
         if result is not None:
             self.results[name] = result
-        with self._cond:
-            self._current = None
-            self._cond.notify_all()
-        self._on_done(name, result, error)
+        try:  # before the replication counts as over: wait_idle() covers what it does
+            self._on_done(name, result, error)
+        finally:
+            with self._cond:
+                self._current = None
+                self._cond.notify_all()
 
 
 def _step_of(name: str) -> tuple[int, str]:
@@ -209,7 +211,8 @@ class DurableTier:
     ``CheckpointConfig.replicate_every``)."""
 
     def __init__(self, source: Storage, target: RootState, policy: RetentionPolicy, *,
-                 every: int, backlog: int) -> None:
+                 every: int, backlog: int,
+                 replicated: Callable[[str], None] = lambda name: None) -> None:
         self.root = target
         self.every = max(1, every)
         self.backlog = backlog
@@ -221,6 +224,7 @@ class DurableTier:
                                      on_done=self._done)
         self._commits = 0
         self.behind_warned = False
+        self._replicated = replicated  # the source tier may now let it go: its retention
 
     def _copying(self) -> set[str]:
         current = self.replicator.pending()[:1] if hasattr(self, "replicator") else []
@@ -265,6 +269,7 @@ class DurableTier:
                 "durable": [m.name for m in self.root.sorted_markers()]}
 
     def _done(self, name: str, result: dict[str, Any] | None, error: str | None) -> None:
+        self._replicated(name)  # no longer waiting: the source tier's retention runs again
         if result is not None:
             logger.info("replicated %s to %s: %d bytes copied in %.2fs", name,
                         self.root.storage.url(), result["copied"], result["s"])
