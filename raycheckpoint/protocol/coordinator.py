@@ -370,14 +370,14 @@ class CheckpointCoordinator:
                     failures={"coordinator": repr(e)}))
                 return
             result["commit_s"] = time.perf_counter() - t0  # all reports in -> committed
+            if self.durable is not None:  # queued before any waiter hears of the commit
+                self.durable.committed(save.name, tag=save.tag, always=save.replicate)
             self._finish(save, None, result)  # durable and visible: waiters go on now
             for w in self._workers:
                 try:
                     w.ckpt_on_committed.remote(save.name, save.step)
                 except Exception as e:  # noqa: BLE001 - a dead worker must not fail a commit
                     logger.warning("broadcast of %s to a worker failed: %s", save.name, e)
-            if self.durable is not None:
-                self.durable.committed(save.name, tag=save.tag, always=save.replicate)
             save.cleanup = self.collector.clean_up_after(save.name)
             self._commits += 1
         every = self.config.verify_interval
