@@ -121,7 +121,6 @@ class Replicator:
         self._cond = threading.Condition()
         self._queue: list[str] = []  # oldest first
         self._current: str | None = None
-        self._closed = False
         self.results: dict[str, dict[str, Any]] = {}
         self.last_error: str | None = None
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -151,19 +150,12 @@ class Replicator:
                 self._cond.wait(min(left, 0.5))
         return True
 
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
     def _run(self) -> None:
         pause = self._retry_s[0]
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while not self._queue:
                     self._cond.wait()
-                if self._closed:
-                    return
                 name = self._current = self._queue.pop(0)
             try:
                 if catalog.read_marker(self.source, name) is None:
@@ -217,18 +209,17 @@ class DurableTier:
         self.every = max(1, every)
         self.backlog = backlog
         self.lock = threading.Lock()
+        self.replicator: Replicator | None = None  # none before recovery: nothing copies
         self.collector = Collector(target, policy, self._copying)
         with self.lock:
-            self.recovery = self.collector.recover()  # a copy cut short is collected here
+            self.collector.recover()  # a copy cut short is collected here
         self.replicator = Replicator(source, target, self.collector, lock=self.lock,
                                      on_done=self._done)
         self._commits = 0
-        self.behind_warned = False
         self._replicated = replicated  # the source tier may now let it go: its retention
 
     def _copying(self) -> set[str]:
-        current = self.replicator.pending()[:1] if hasattr(self, "replicator") else []
-        return set(current)
+        return set() if self.replicator is None else set(self.replicator.pending()[:1])
 
     def resume_pending(self, source_markers: list[Any]) -> list[str]:
         """At start: the newest committed full checkpoint of the source tier is queued when
@@ -254,7 +245,6 @@ class DurableTier:
                 "checkpoint.replication_backlog=%d; the oldest beyond it may leave the local "
                 "tier before they are copied); last error: %s", len(pending),
                 self.root.storage.url(), self.backlog, self.replicator.last_error)
-            self.behind_warned = True
         return True
 
     def protected(self) -> dict[str, str]:
