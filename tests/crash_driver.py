@@ -35,6 +35,9 @@ def main() -> None:
     ray.get([w.arm_fault.remote("storage.write@actor/__", "hang:5") for w in group], timeout=60)
     train(group, [5])
     m.update(step=5)
+    pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in [*group, m.coordinator]],
+                   timeout=60)
+    print("job processes:", json.dumps(pids), flush=True)
     m.save_checkpoint()  # returns after the host copy; the workers are writing now
     print("saving step 5; killing the driver", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -22,6 +22,10 @@ itself does not change training.
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 import pytest
 import ray
 
@@ -98,8 +102,6 @@ def test_crash_at_point_then_restart(point, backend, reference, local_root, requ
 
 
 def _run_crashing_driver(root: str, options: dict) -> None:
-    import json
-    import os
     import subprocess
     import sys
 
@@ -109,8 +111,35 @@ def _run_crashing_driver(root: str, options: dict) -> None:
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == -9, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "killing the driver" in proc.stdout
+    # Ray ends the dead driver's actors on its own time; a worker still alive could write a
+    # shard of step 5 after the restarted job collected it.  The restart under test is the
+    # one that follows the death of the whole job, so wait for every one of its processes.
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("job processes:"))
+    _wait_gone(json.loads(line.split(":", 1)[1]), timeout_s=60)
     st = Storage(root, options)
     assert not st.exists("step_00000005/COMMITTED")
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in alive if _running(p)]
+    assert not alive, f"processes of the killed driver still running after {timeout_s}s: {alive}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # an exited child not yet reaped by its parent is gone for this purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return False
+    return True
 
 
 def _crash_in_this_driver(root: str, options: dict, who: str, fault: str) -> None:
