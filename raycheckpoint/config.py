@@ -129,8 +129,9 @@ class CheckpointConfig(RetentionRules):
     # manifest and only then committed there (protocol/replicate.py).  The local tier keeps
     # the newest keep_last_n_local checkpoints, and those still waiting for replication,
     # up to replication_backlog of them; past that, saves go on and a warning says
-    # replication is behind.  memory_replicas (a copy of each shard in another node's
-    # memory) is not available in this release.
+    # replication is behind.  memory_replicas=R (needs local_dir) also keeps the newest
+    # full checkpoint in host memory: each rank's files on its own node and on the next R
+    # nodes of the job's ring, so that losing R nodes loses no shard (protocol/memory.py).
     local_dir: str | None = None
     replicate_every: int = 1
     keep_last_n_local: int = 2
@@ -177,11 +178,12 @@ class CheckpointConfig(RetentionRules):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
     def _check_tiers(self) -> None:
-        if self.memory_replicas:
-            raise ValueError(
-                "checkpoint.memory_replicas: the memory tier (shard replicas in another node's "
-                "memory) is not available in this release; use checkpoint.local_dir with "
-                "replication to save_dir")
+        if not isinstance(self.memory_replicas, int) or self.memory_replicas < 0:
+            raise ValueError("checkpoint.memory_replicas must be a non-negative integer, got "
+                             f"{self.memory_replicas!r}")
+        if self.memory_replicas and self.local_dir is None:
+            raise ValueError("checkpoint.memory_replicas needs checkpoint.local_dir: the memory "
+                             "tier copies the checkpoints committed in the local tier")
         if self.local_dir is not None:
             if not self.local_dir or "://" in self.local_dir.removeprefix("file://"):
                 raise ValueError("checkpoint.local_dir must be a directory on the nodes' own "

@@ -43,7 +43,8 @@ from raycheckpoint.integrity.crypto import check_key
 from raycheckpoint.integrity.verify import verify_files
 from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.checkpoint import VerifiedCheckpoint, open_verified
-from raycheckpoint.protocol.paths import rng_file
+from raycheckpoint.protocol.format import Manifest
+from raycheckpoint.protocol.paths import CheckpointPaths, rng_file
 from raycheckpoint.protocol.refs import locate, resolve
 from raycheckpoint.resume import ResumeReport, format_differences, resume_differences
 from raycheckpoint.state import restore_rng
@@ -63,13 +64,14 @@ class LoadResult:
     skipped: list[str] = field(default_factory=list)
     resharded: dict[str, tuple[int, int]] = field(default_factory=dict)
     report: list[str] = field(default_factory=list, repr=False)  # what debug prints
-    tier: str = "root"  # where it was read from (a tiered job: "local tier" / "durable tier")
+    tier: str = "root"  # where it was read from (tiered: "memory tier", "local tier", "durable tier")
     load_s: float = 0.0  # opened, verified and loaded into every worker
 
 
 class CheckpointLoader:
     """Loads checkpoints of ``storage``'s root into ``groups`` (role -> workers by rank);
-    ``durable``: a tiered job's durable root, where ``storage`` is its local tier.
+    ``durable``: a tiered job's durable root, where ``storage`` is its local tier;
+    ``memory``: its memory tier (``checkpoint.memory_replicas``).
 
     ``workers_loaded()`` is called once every worker has loaded (the manager hashes its
     frozen roles' weights anew then); ``dataloader`` is restored from a full checkpoint.
@@ -77,10 +79,13 @@ class CheckpointLoader:
 
     def __init__(self, storage: Storage, config: CheckpointConfig, groups: dict[str, list[Any]],
                  *, cipher: Any, fingerprint: dict[str, Any], dataloader: Any,
-                 workers_loaded: Callable[[], None], durable: StorageSpec | None = None) -> None:
+                 workers_loaded: Callable[[], None], durable: StorageSpec | None = None,
+                 memory: StorageSpec | None = None) -> None:
         self.storage = storage
         self.durable = durable  # a tiered job's durable root (``storage`` is its local tier)
+        self.memory = memory
         self._durable: Storage | None = None
+        self._memory: Storage | None = None
         self.config = config
         self.groups = groups
         self.cipher = cipher
@@ -95,9 +100,9 @@ class CheckpointLoader:
     def load(self, ref: str | int = "auto", strict: bool = True) -> LoadResult | None:
         """Resume from ``ref``; None when ``ref == "auto"`` and the root holds nothing.
 
-        A tiered job looks in its local tier first and in the durable one after: ``auto``
-        takes the newest checkpoint either holds, from the local tier when it holds it
-        and it verifies there, else from the durable tier."""
+        A tiered job looks in its memory tier first (when it has one), then in its local
+        tier, then in the durable one: ``auto`` takes the newest checkpoint any holds,
+        from the fastest tier where it is complete and verifies."""
         storage, ref = locate(self.storage, ref, self.config.storage_options)
         tiers = self._tiers(storage)
         failures: list[str] = []
@@ -124,13 +129,15 @@ class CheckpointLoader:
                                       + "; ".join(failures), ref=str(ref))
 
     def _tiers(self, storage: Storage) -> list[Storage]:
-        """Where to look, fastest first: a tiered job's local and durable tiers, else the one
-        root (or the root a path reference names)."""
+        """Where to look, fastest first: a tiered job's memory, local and durable tiers, else
+        the one root (or the root a path reference names)."""
         if storage is not self.storage or self.durable is None:
             return [storage]
         if self._durable is None:
             self._durable = self.durable.open()
-        return [self.storage, self._durable]
+        if self.memory is not None and self._memory is None:
+            self._memory = self.memory.open()
+        return [s for s in (self._memory, self.storage, self._durable) if s is not None]
 
     def _auto(self, tiers: list[Storage], failures: list[str]) -> list[tuple[str, Storage]]:
         """Every committed full checkpoint of any tier, newest first; a checkpoint in several
@@ -153,6 +160,10 @@ class CheckpointLoader:
                                   RuntimeWarning, stacklevel=4)
                     failures.append(f"{m.name}: failed background verification: "
                                     f"{record.get('error')}")
+                    continue
+                if storage is self._memory and not _complete(storage, m.name):
+                    logger.info("%s is not read from the memory tier: a replica holder that "
+                                "had some of its files is gone", m.name)
                     continue
                 found.setdefault(m.name, (catalog.order_key(m), []))[1].append(storage)
         ordered = sorted(found.items(), key=lambda kv: kv[1][0], reverse=True)
@@ -274,6 +285,8 @@ class CheckpointLoader:
     def _tier_name(self, storage: Storage) -> str:
         if self.durable is None:
             return "root" if storage is self.storage else "root of the path given"
+        if storage is self._memory:
+            return "memory tier"
         return "local tier" if storage is self.storage else "durable tier"
 
     def _requests(self, ck: VerifiedCheckpoint, *, weights_only: bool, strict: bool,
@@ -299,3 +312,14 @@ class CheckpointLoader:
                     "saved_world_size": layout.world_size, "rng_file": rng, "partial": not strict,
                     "wait_timeout_s": self.config.save_wait_timeout_s, "storage": storage}))
         return out
+
+
+def _complete(storage: Storage, name: str) -> bool:
+    """Whether ``storage`` holds every file ``name``'s manifest lists, at its size (the
+    checksums are checked as the files are read)."""
+    try:
+        manifest = Manifest.from_bytes(storage.read_bytes(CheckpointPaths(name).manifest))
+    except Exception:  # noqa: BLE001 - missing or unreadable: not a complete copy
+        return False
+    held = storage.list_files()
+    return all(held.get(p) == e.size for p, e in manifest.files.items())

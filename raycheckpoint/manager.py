@@ -43,7 +43,7 @@ from raycheckpoint.integrity.crypto import FileCipher, load_key
 from raycheckpoint.loader import CheckpointLoader, LoadResult
 from raycheckpoint.metrics import CheckpointMetrics
 from raycheckpoint.policy.retention import RetentionPolicy
-from raycheckpoint.protocol import coordinator
+from raycheckpoint.protocol import coordinator, memory
 from raycheckpoint.roots import open_roots
 from raycheckpoint.save_handle import SaveHandle, SaveTracker
 from raycheckpoint.state import capture_rng
@@ -92,7 +92,7 @@ class CheckpointManager:
             self.roots.write.open(), config, self.groups, cipher=self.cipher,
             fingerprint=self.fingerprint, dataloader=dataloader,
             workers_loaded=self._refresh_identities,
-            durable=self.spec if self.roots.local is not None else None)
+            durable=self.spec if self.roots.local is not None else None, memory=self.roots.memory)
         try:
             self._start(config, prepare_buffers)
         except BaseException:
@@ -105,7 +105,8 @@ class CheckpointManager:
         self._coordinator = coordinator.start(
             roots.write, config, roots.lease_id("local" if tiered else "durable"),
             verifier=verifier.start if config.verify_interval else None,
-            durable=roots.durable if tiered else None, durable_lease_job_id=roots.lease_id("durable"))
+            durable=roots.durable if tiered else None, durable_lease_job_id=roots.lease_id("durable"),
+            memory=roots.memory)
         rpc = config.rpc_timeout_s
         probe = roots.write_probe()
         ranks = [(role, rank, w) for role, ws in self.groups.items() for rank, w in enumerate(ws)]
@@ -116,7 +117,8 @@ class CheckpointManager:
             write_ahead=config.write_ahead) for role, rank, w in ranks], rpc)
         roots.check_visible(probe, [(f"{role}/{rank}", ok)
                                     for (role, rank, _), ok in zip(ranks, seen, strict=True)])
-        _get(self._coordinator.register_workers.remote(self.workers), rpc)
+        rank_nodes = None if roots.memory is None else memory.rank_nodes(self.groups, rpc)
+        _get(self._coordinator.register_workers.remote(self.workers, rank_nodes), rpc)
         self._refresh_identities()
         if prepare_buffers:  # first-touch the host buffers now, not in the first save's stall
             _get([w.ckpt_prepare.remote("full") for role, ws in self.groups.items()
@@ -378,13 +380,17 @@ class CheckpointManager:
                           f"{self.config.local_dir} and the next run copies the newest",
                           RuntimeWarning, stacklevel=3)
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, release_memory: bool = True) -> None:
         """Wait for saves in flight, their clean-up and (tiered) their replication, then stop
-        the coordinator actor."""
+        the coordinator actor.  The memory tier's holders are ended too when all of that
+        succeeded and ``release_memory`` (False: a job started next on this root finds the
+        newest checkpoint in memory)."""
         try:
             self.wait_for_saves(timeout)
             self.wait_for_cleanup(timeout)
             self._wait_replication(timeout)
+            if self.roots.memory is not None and release_memory:
+                memory.release(self.roots.memory.open().root)
         finally:
             ray.kill(self._coordinator)
             self.roots.release()

@@ -1,4 +1,5 @@
-"""The roots a job writes: its durable root and, for a tiered job, its local tier.
+"""The roots a job writes: its durable root and, for a tiered job, its local tier (and
+its memory tier, with ``checkpoint.memory_replicas``).
 
 ``save_dir`` is the durable root (any fsspec URI).  With ``checkpoint.local_dir`` set
 the job is tiered (DESIGN section 7): the workers write and the coordinator commits in
@@ -33,6 +34,7 @@ PROBE_PREFIX = ".visible-"  # the file check_visible writes and every rank must 
 class JobRoots:
     durable: StorageSpec
     local: StorageSpec | None = None
+    memory: StorageSpec | None = None  # the memory tier (memory_replicas): protocol/memory.py
     leases: dict[str, Lease] = field(default_factory=dict)  # "durable" / "local" -> lease
 
     @property
@@ -80,6 +82,10 @@ def open_roots(config: CheckpointConfig, cipher: Any) -> JobRoots:
     roots = JobRoots(durable=spec(config.save_dir, dict(config.storage_options)))
     if config.local_dir is not None:
         roots.local = spec(config.local_dir, {})
+    if config.memory_replicas:  # named after the durable root; its holders start on first use
+        from raycheckpoint.protocol.memory import tier_id, tier_uri
+
+        roots.memory = spec(tier_uri(tier_id(roots.durable.open().url())), {})
     for tier, s in (("durable", roots.durable), ("local", roots.local)):
         if s is None:
             continue

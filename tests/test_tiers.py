@@ -265,7 +265,7 @@ def test_retention_per_tier_over_thirty_saves(group2, tmp_path, s3_root):
 
 
 @pytest.mark.cluster
-def test_a_lost_node_and_its_disk_resume_from_s3_on_a_replacement(tmp_path, s3_server):
+def test_a_lost_node_and_its_disk_resume_from_memory_then_s3_on_a_replacement(tmp_path, s3_server):
     """tests/cluster/node_loss.py: a three-node Ray cluster on this machine."""
     import os
     import tempfile
@@ -285,10 +285,16 @@ def test_a_lost_node_and_its_disk_resume_from_s3_on_a_replacement(tmp_path, s3_s
     assert out["rank_nodes"] == 2, out  # one rank on each worker node
     assert out["durable_before"] == ["step_00000002", "step_00000004"], out
     assert out["local_before"] == ["step_00000004", "step_00000005"], out
-    # step 5 was only on the lost disk: the newest durable one, on the replacement node
-    assert out["resumed"] == {"name": "step_00000004", "tier": "durable tier"}, out
-    assert out["replacement_used"] and out["bitwise"] is True, out
-    REPORTS.append(f"node loss (tiered, 2 ranks on 2 nodes): resumed {out['resumed']['name']} from "
-                   f"the {out['resumed']['tier']} on a replacement node, bit for bit; new job "
-                   f"start to loaded {out['recovery_s']:.1f} s (the load itself "
-                   f"{out['load_s']:.2f} s)")
+    assert out["memory_before"] == ["step_00000005"] and out["holders_before"] == 2, out
+    # step 5 was on the lost disk and node, and in the other node's memory
+    assert (out["memory"]["name"], out["memory"]["tier"]) == ("step_00000005", "memory tier"), out
+    # without the replicas: the newest durable one
+    assert (out["durable"]["name"], out["durable"]["tier"]) == ("step_00000004", "durable tier"), out
+    assert out["replacement_used"], out
+    for phase in ("memory", "durable"):
+        r = out[phase]
+        assert r["bitwise"] is True, out
+        REPORTS.append(f"node loss (tiered, 2 ranks on 2 nodes): resumed {r['name']} from the "
+                       f"{r['tier']} on a replacement node, bit for bit; "
+                       + ("new job start" if phase == "memory" else "replicas gone too: start")
+                       + f" to loaded {r['recovery_s']:.1f} s (the load itself {r['load_s']:.2f} s)")

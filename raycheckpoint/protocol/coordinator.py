@@ -45,12 +45,11 @@ from typing import TYPE_CHECKING, Any
 from raycheckpoint._internal import exit as process_exit
 from raycheckpoint.errors import CheckpointSaveError, CommitTimeoutError
 from raycheckpoint.policy.retention import RetentionPolicy
-from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.collect import Collector
 from raycheckpoint.protocol.commit import SaveRecord, commit
 from raycheckpoint.protocol.paths import step_dir_name, validate_tag
-from raycheckpoint.protocol.replicate import DurableTier
 from raycheckpoint.protocol.root import RootState
+from raycheckpoint.protocol.tiers import Tiers
 from raycheckpoint.protocol.verification import VerificationQueue
 from raycheckpoint.storage import FileEntry, Storage, StorageSpec
 
@@ -69,11 +68,13 @@ def actor_name(storage: Storage) -> str:
 
 def start(spec: StorageSpec, config: CheckpointConfig, lease_job_id: str | None,
           verifier: Callable[[StorageSpec], Any] | None = None, *,
-          durable: StorageSpec | None = None, durable_lease_job_id: str | None = None) -> Any:
+          durable: StorageSpec | None = None, durable_lease_job_id: str | None = None,
+          memory: StorageSpec | None = None) -> Any:
     """Start the coordinator of ``spec``'s root as a named, threaded Ray actor;
     ``verifier(spec)`` starts the background verifier when a verification is due.
     ``durable``: a tiered job's durable root, where committed checkpoints of ``spec``
-    (the local tier) are replicated; the actor is then named after it."""
+    (the local tier) are replicated; the actor is then named after it.  ``memory``: its
+    memory tier (``checkpoint.memory_replicas``)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -86,7 +87,8 @@ def start(spec: StorageSpec, config: CheckpointConfig, lease_job_id: str | None,
             return ray.remote(CheckpointCoordinator).options(
                 name=name, namespace=NAMESPACE, max_concurrency=64, num_cpus=0,
                 scheduling_strategy=here).remote(spec, config, lease_job_id=lease_job_id, verifier=verifier,
-                                   durable=durable, durable_lease_job_id=durable_lease_job_id)
+                                   durable=durable, durable_lease_job_id=durable_lease_job_id,
+                                   memory=memory)
         except ValueError as e:  # the name is held: a previous coordinator still shutting down
             if time.monotonic() > deadline:
                 raise RuntimeError(
@@ -100,7 +102,8 @@ class CheckpointCoordinator:
                  lease_job_id: str | None = None,
                  verifier: Callable[[StorageSpec], Any] | None = None,
                  durable: StorageSpec | None = None,
-                 durable_lease_job_id: str | None = None) -> None:
+                 durable_lease_job_id: str | None = None,
+                 memory: StorageSpec | None = None) -> None:
         process_exit.install()  # never hang in Ray's C++ teardown (_internal/exit.py)
         self.spec = storage
         self.storage = storage.open()
@@ -112,20 +115,21 @@ class CheckpointCoordinator:
         self._last: SaveRecord | None = None
         self._workers: list[Any] = []
         self._requests: list[dict[str, Any]] = []
-        self.durable: DurableTier | None = None
+        self.tiers: Tiers | None = None
         policy = RetentionPolicy.from_config(config)
-        if durable is not None:  # this root is the local tier: see protocol/replicate.py
-            self.durable = DurableTier(self.storage, RootState(durable.open(), durable_lease_job_id),
-                                       policy, every=config.replicate_every or 1,
-                                       backlog=config.replication_backlog,
-                                       replicated=self._local_retention)
+        if durable is not None:  # this root is the local tier: see protocol/tiers.py
+            self.tiers = Tiers(self.storage, RootState(durable.open(), durable_lease_job_id),
+                               policy, every=config.replicate_every or 1,
+                               backlog=config.replication_backlog,
+                               replicated=self._local_retention, memory=memory,
+                               memory_replicas=config.memory_replicas)
             policy = RetentionPolicy(keep_last_n=config.keep_last_n_local,
                                      keep_last_n_light=config.keep_last_n_light)
         self.collector = Collector(self.root, policy, self._in_flight,
                                    also_protected=self._waiting_for_replication)
         self.recovery = self._recover() if recover else {}
-        if self.durable is not None:
-            self.recovery["replication_resumed"] = self.durable.resume_pending(
+        if self.tiers is not None:
+            self.recovery["replication_resumed"] = self.tiers.resume_pending(
                 self.root.sorted_markers())
         self._commits = 0
         self._verifications = VerificationQueue(self.spec, self.root, self._commit_lock,
@@ -144,7 +148,7 @@ class CheckpointCoordinator:
                 logger.exception("local retention after replicating %s failed", name)
 
     def _waiting_for_replication(self) -> dict[str, str]:  # kept by the local retention
-        return {} if self.durable is None else self.durable.protected()
+        return {} if self.tiers is None else self.tiers.protected()
 
     def _in_flight(self) -> set[str]:
         with self._cond:
@@ -152,8 +156,13 @@ class CheckpointCoordinator:
 
     # ---- driver API ---------------------------------------------------------------------------
 
-    def register_workers(self, workers: list[Any]) -> None:
+    def register_workers(self, workers: list[Any],
+                         rank_nodes: dict[str, list[str]] | None = None) -> None:
+        """The workers to tell of commits; ``rank_nodes``: the node of each rank (role ->
+        node ids by rank), where the memory tier keeps replicas."""
         self._workers = list(workers)
+        if self.tiers is not None and rank_nodes:
+            self.tiers.set_rank_nodes(rank_nodes)
 
     def request_save(self, tag: str | None = None, kind: str = "full") -> None:
         """Ask the running job's driver to save at its next step (from outside the job)."""
@@ -223,7 +232,7 @@ class CheckpointCoordinator:
             if root.unmarked is not None:
                 root.unmarked.add(name)  # until its marker is written
             frozen = dict(frozen or {})
-            reused = self._find_reusable(frozen, world_sizes)
+            reused = root.reusable(frozen, world_sizes)
             expected = [e for e in expected if e[0] not in reused]
             save = SaveRecord(save_id=uuid.uuid4().hex[:12], name=name, step=step, kind=kind, tag=tag,
                          metrics=dict(metrics), trainer_state=dict(trainer_state),
@@ -239,20 +248,6 @@ class CheckpointCoordinator:
         threading.Thread(target=self._run, args=(save,), daemon=True,
                          name=f"raycheckpoint-commit-{name}").start()
         return {"save_id": save.save_id, "name": name, "reused": sorted(reused)}
-
-    def _find_reusable(self, frozen: dict[str, str], world_sizes: dict[str, int]) -> dict[str, str]:
-        reused: dict[str, str] = {}
-        newest_first = sorted(self.root.markers.values(), key=catalog.order_key, reverse=True)
-        for role, identity in frozen.items():
-            for marker in newest_first:
-                manifest = self.root.manifest(marker.name)
-                layout = None if manifest is None else manifest.roles.get(role)
-                if (layout is not None and layout.identity == identity
-                        and layout.world_size == world_sizes.get(role)
-                        and _key_id(manifest.encryption) == _key_id(self.root.encryption())):
-                    reused[role] = marker.name
-                    break
-        return reused
 
     def snapshotted(self, save_id: str) -> None:
         """Every worker has its host copy: the persist/commit timeout starts now."""
@@ -316,12 +311,12 @@ class CheckpointCoordinator:
         return None if save.cleanup is None else dict(save.cleanup)
 
     def replication(self) -> dict[str, Any] | None:
-        """A tiered job's replication (:meth:`DurableTier.status`); None with one tier."""
-        return None if self.durable is None else self.durable.status()
+        """A tiered job's replication (:meth:`Tiers.status`); None with one tier."""
+        return None if self.tiers is None else self.tiers.status()
 
     def wait_replication(self, timeout: float) -> bool:
         """Wait until no replication is queued or running; False on timeout."""
-        return True if self.durable is None else self.durable.replicator.wait_idle(timeout)
+        return True if self.tiers is None else self.tiers.wait_idle(timeout)
 
     def gc(self, *, dry_run: bool = False, leftover_grace_s: float = 0.0) -> dict[str, Any]:
         """Re-read storage, repair LATEST/catalog, collect leftovers, apply retention
@@ -370,8 +365,9 @@ class CheckpointCoordinator:
                     failures={"coordinator": repr(e)}))
                 return
             result["commit_s"] = time.perf_counter() - t0  # all reports in -> committed
-            if self.durable is not None:  # queued before any waiter hears of the commit
-                self.durable.committed(save.name, tag=save.tag, always=save.replicate)
+            if self.tiers is not None:  # queued before any waiter hears of the commit
+                self.tiers.committed(save.name, kind=save.kind, tag=save.tag,
+                                     always=save.replicate)
             self._finish(save, None, result)  # durable and visible: waiters go on now
             for w in self._workers:
                 try:
@@ -394,7 +390,3 @@ class CheckpointCoordinator:
             logger.error("%s", error)
         save.done.set()
 
-
-def _key_id(encryption: dict[str, Any] | None) -> str | None:
-    """Frozen bytes are reused only under the same key (or both unencrypted)."""
-    return None if not encryption else encryption.get("key_id")

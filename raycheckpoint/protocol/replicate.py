@@ -12,7 +12,8 @@ without a marker, which the target's collection removes (:mod:`~raycheckpoint.pr
 :class:`Replicator` runs the replications of a job to its durable tier on one
 background thread, oldest first.  A failed one (the durable store is down, say) is
 retried, with a growing pause, until it succeeds or its checkpoint left the source
-tier; saves to the source tier go on meanwhile.
+tier; saves to the source tier go on meanwhile.  Which checkpoints go where, and when:
+:mod:`~raycheckpoint.protocol.tiers`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import Any
 from raycheckpoint._internal import faults
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.integrity.verify import CHUNK_BYTES, verify_files
-from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.collect import Collector
 from raycheckpoint.protocol.commit import mark_committed
@@ -111,8 +111,12 @@ class Replicator:
 
     def __init__(self, source: Storage, target: RootState, collector: Collector, *,
                  lock: threading.Lock, on_done: Callable[..., None] | None = None,
-                 retry_s: tuple[float, float] = (0.5, 30.0)) -> None:
+                 retry_s: tuple[float, float] = (0.5, 30.0),
+                 copy: Callable[[Storage, RootState, str], dict[str, Any]] | None = None,
+                 newest_only: bool = False, name: str = "raycheckpoint-replicate") -> None:
         self.source = source
+        self._copy = copy or replicate
+        self._newest_only = newest_only  # a newer checkpoint replaces any older one waiting
         self.target = target
         self.collector = collector
         self._lock = lock  # the target's state is shared with whoever else writes it
@@ -123,8 +127,7 @@ class Replicator:
         self._current: str | None = None
         self.results: dict[str, dict[str, Any]] = {}
         self.last_error: str | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="raycheckpoint-replicate")
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self._thread.start()
 
     def enqueue(self, name: str) -> None:
@@ -132,6 +135,8 @@ class Replicator:
             if name not in self._queue and name != self._current:
                 self._queue.append(name)
                 self._queue.sort(key=_step_of)
+                if self._newest_only:
+                    del self._queue[:-1]
             self._cond.notify_all()
 
     def pending(self) -> list[str]:
@@ -164,7 +169,7 @@ class Replicator:
                     self._done(name, None, "gone from the source tier")
                     continue
                 with self._lock:
-                    result = replicate(self.source, self.target, name)
+                    result = self._copy(self.source, self.target, name)
                     result["cleanup"] = self.collector.clean_up_after(name)
                 self.last_error, pause = None, self._retry_s[0]
                 self._done(name, result, None)
@@ -177,7 +182,8 @@ class Replicator:
                 logger.warning("replication of %s failed (%s); retrying in %.1fs", name,
                                self.last_error, pause)
                 with self._cond:
-                    self._queue.insert(0, name)
+                    if not (self._newest_only and self._queue):  # else a newer one replaces it
+                        self._queue.insert(0, name)
                     self._current = None
                     self._cond.wait(pause)
                 pause = min(pause * 2, self._retry_s[1])
@@ -195,71 +201,3 @@ class Replicator:
 
 def _step_of(name: str) -> tuple[int, str]:
     return (parse_step_dir(name) or 0, name)
-
-
-class DurableTier:
-    """The durable tier of a tiered job, as its coordinator sees it: the root, its
-    retention, and which committed local checkpoints go there (see
-    ``CheckpointConfig.replicate_every``)."""
-
-    def __init__(self, source: Storage, target: RootState, policy: RetentionPolicy, *,
-                 every: int, backlog: int,
-                 replicated: Callable[[str], None] = lambda name: None) -> None:
-        self.root = target
-        self.every = max(1, every)
-        self.backlog = backlog
-        self.lock = threading.Lock()
-        self.replicator: Replicator | None = None  # none before recovery: nothing copies
-        self.collector = Collector(target, policy, self._copying)
-        with self.lock:
-            self.collector.recover()  # a copy cut short is collected here
-        self.replicator = Replicator(source, target, self.collector, lock=self.lock,
-                                     on_done=self._done)
-        self._commits = 0
-        self._replicated = replicated  # the source tier may now let it go: its retention
-
-    def _copying(self) -> set[str]:
-        return set() if self.replicator is None else set(self.replicator.pending()[:1])
-
-    def resume_pending(self, source_markers: list[Any]) -> list[str]:
-        """At start: the newest committed full checkpoint of the source tier is queued when
-        the durable tier has nothing as new (replications cut short by a crash)."""
-        durable = [m for m in self.root.sorted_markers() if m.kind == "full"]
-        newest = max((m for m in source_markers if m.kind == "full"), key=catalog.order_key,
-                     default=None)
-        if newest is None or (durable and catalog.order_key(durable[-1]) >= catalog.order_key(newest)):
-            return []
-        self.replicator.enqueue(newest.name)
-        return [newest.name]
-
-    def committed(self, name: str, *, tag: str | None, always: bool) -> bool:
-        """A checkpoint was committed in the source tier; queue it when due.  True if queued."""
-        self._commits += 1
-        if not (always or tag is not None or self._commits % self.every == 0):
-            return False
-        self.replicator.enqueue(name)
-        pending = self.replicator.pending()
-        if len(pending) > self.backlog:
-            logger.warning(
-                "replication is behind: %d checkpoints wait for the durable tier %s (bound "
-                "checkpoint.replication_backlog=%d; the oldest beyond it may leave the local "
-                "tier before they are copied); last error: %s", len(pending),
-                self.root.storage.url(), self.backlog, self.replicator.last_error)
-        return True
-
-    def protected(self) -> dict[str, str]:
-        """Source-tier checkpoints its retention must keep: those waiting for the durable
-        tier, the oldest ``backlog`` of them."""
-        return {n: "waiting for replication to the durable tier"
-                for n in self.replicator.pending()[:self.backlog]}
-
-    def status(self) -> dict[str, Any]:
-        return {"pending": self.replicator.pending(), "last_error": self.replicator.last_error,
-                "replicated": sorted(self.replicator.results),
-                "durable": [m.name for m in self.root.sorted_markers()]}
-
-    def _done(self, name: str, result: dict[str, Any] | None, error: str | None) -> None:
-        self._replicated(name)  # no longer waiting: the source tier's retention runs again
-        if result is not None:
-            logger.info("replicated %s to %s: %d bytes copied in %.2fs", name,
-                        self.root.storage.url(), result["copied"], result["s"])

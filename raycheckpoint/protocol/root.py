@@ -99,6 +99,23 @@ class RootState:
         cipher = self.storage.cipher
         return None if cipher is None else cipher.describe()
 
+    def reusable(self, frozen: dict[str, str], world_sizes: dict[str, int]) -> dict[str, str]:
+        """Frozen role -> the newest committed checkpoint holding its weights (the same
+        ``identity`` and world size, under the same encryption key): a save references
+        those bytes instead of writing them again."""
+        reused: dict[str, str] = {}
+        newest_first = sorted(self.markers.values(), key=catalog.order_key, reverse=True)
+        for role, identity in frozen.items():
+            for marker in newest_first:
+                manifest = self.manifest(marker.name)
+                layout = None if manifest is None else manifest.roles.get(role)
+                if (layout is not None and layout.identity == identity
+                        and layout.world_size == world_sizes.get(role)
+                        and _key_id(manifest.encryption) == _key_id(self.encryption())):
+                    reused[role] = marker.name
+                    break
+        return reused
+
     # ---- writing ------------------------------------------------------------------------
 
     def check_lease(self) -> None:
@@ -151,3 +168,8 @@ class RootState:
         self._manifests.pop(name, None)
         if self.unmarked is not None and not keep:  # kept files stay without a marker
             self.unmarked.discard(name)
+
+
+def _key_id(encryption: dict[str, Any] | None) -> str | None:
+    """Frozen bytes are reused only under the same key (or both unencrypted)."""
+    return None if not encryption else encryption.get("key_id")

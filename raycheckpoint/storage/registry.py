@@ -25,6 +25,7 @@ BACKENDS: dict[str, str] = {
     "s3": "raycheckpoint.storage.s3:S3Storage",
     "s3a": "raycheckpoint.storage.s3:S3Storage",
     "memory": "raycheckpoint.storage.memory:MemoryStorage",
+    "rcmem": "raycheckpoint.storage.raymem:RayMemoryStorage",
 }
 
 

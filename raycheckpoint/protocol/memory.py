@@ -1,0 +1,230 @@
+"""The memory tier: the newest checkpoint in host memory, on the rank's node and on others.
+
+With ``checkpoint.memory_replicas=R`` (a tiered job: ``checkpoint.local_dir`` set), every
+committed full checkpoint of the local tier is copied into the memory of
+:class:`ReplicaHolder` actors, one per node that runs ranks:
+
+* each rank's files go to the holder of the rank's own node (a crashed worker process
+  loses nothing) and to the holders of the next ``R`` nodes in the ring of the job's
+  nodes (sorted by node id), so that losing any ``R`` nodes loses no shard;
+* the files no rank wrote (trainer state, version, DCP metadata, assets) and the commit
+  metadata go to every holder;
+* a holder checks each file against the manifest's checksum as it arrives and refuses a
+  mismatch; the checkpoint is then committed in the memory tier with the usual protocol
+  (manifest, ``COMMITTED``, ``LATEST``, catalog: :func:`~raycheckpoint.protocol.commit.mark_committed`),
+  through :mod:`raycheckpoint.storage.raymem`, which shows the holders as one root;
+* the memory tier keeps the newest committed checkpoint only (and what it references);
+  a newer one queued while a copy runs replaces any older one still waiting.
+
+Holders are detached named actors (``memory-<tier>-<node>`` in the ``raycheckpoint``
+namespace): they outlive the worker groups, the coordinator and the driver, so a job
+restarted after losing a node finds them.  A holder whose node died is re-created on the
+next copy to a node that runs ranks; :func:`release` ends them all (a job's clean end).
+Resume reads a checkpoint of the memory tier only when every file is held by a live
+holder, and every byte is verified against the manifest as it is read: a replica whose
+checksum does not match is passed over for the local or durable copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+import warnings
+from typing import Any
+
+from raycheckpoint.errors import IntegrityError
+from raycheckpoint.integrity.verify import verify_bytes
+from raycheckpoint.protocol import catalog
+from raycheckpoint.protocol.commit import mark_committed
+from raycheckpoint.protocol.format import Manifest
+from raycheckpoint.protocol.paths import CheckpointPaths
+from raycheckpoint.protocol.root import RootState
+from raycheckpoint.storage import FileEntry, Storage
+from raycheckpoint.storage.raymem import NAMESPACE, PROTOCOL, holder_prefix, live_holders
+
+logger = logging.getLogger(__name__)
+
+
+def tier_id(durable_url: str) -> str:
+    """The memory tier of the job whose durable root is ``durable_url``."""
+    return hashlib.sha256(durable_url.rstrip("/").encode()).hexdigest()[:16]
+
+
+def tier_uri(tier: str) -> str:
+    return f"{PROTOCOL}://{tier}"
+
+
+class ReplicaHolder:
+    """Files in this process's memory (run as a detached Ray actor, one per node)."""
+
+    def __init__(self, tier: str, node_id: str) -> None:
+        self.tier, self.node_id = tier, node_id
+        self._files: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def put(self, path: str, data: bytes, entry: dict[str, Any] | None = None) -> int:
+        """Hold ``data`` as ``path``; with ``entry`` (a manifest entry) only if the bytes
+        match its size and checksum (IntegrityError otherwise: nothing is kept)."""
+        data = bytes(data)
+        if entry is not None:
+            verify_bytes(path, data, FileEntry.from_dict(entry), checksums=True)
+        with self._lock:
+            self._files[path] = data
+        return len(data)
+
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes | None:
+        with self._lock:
+            data = self._files.get(path)
+        return None if data is None else data[start:end]
+
+    def listing(self, prefix: str = "") -> dict[str, int]:
+        """``{path: size}`` of the files at or below ``prefix``."""
+        with self._lock:
+            return {p: len(d) for p, d in self._files.items()
+                    if not prefix or p == prefix or p.startswith(prefix.rstrip("/") + "/")}
+
+    def delete(self, path: str, recursive: bool = False) -> int:
+        with self._lock:
+            doomed = [p for p in self._files
+                      if p == path or (recursive and p.startswith(path.rstrip("/") + "/"))]
+            for p in doomed:
+                del self._files[p]
+        return len(doomed)
+
+    def where(self) -> dict[str, Any]:
+        with self._lock:
+            return {"node_id": self.node_id, "files": len(self._files),
+                    "bytes": sum(len(d) for d in self._files.values())}
+
+
+def holder_name(tier: str, node_id: str) -> str:
+    return holder_prefix(tier) + node_id[:16]
+
+
+def ensure_holders(tier: str, nodes: list[str], timeout_s: float = 60.0) -> dict[str, Any]:
+    """A live holder on each of ``nodes`` (node id -> handle), created where missing."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    out = {}
+    for node in sorted(set(nodes)):
+        if node not in alive:
+            raise OSError(f"node {node[:12]} is not alive: no replica holder can run there")
+        name = holder_name(tier, node)
+        try:
+            out[node] = ray.get_actor(name, namespace=NAMESPACE)
+            continue
+        except ValueError:
+            pass
+        try:
+            out[node] = ray.remote(ReplicaHolder).options(
+                name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+                max_concurrency=8, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            ).remote(tier, node)
+            logger.info("started memory replica holder %s on node %s", name, node[:12])
+        except ValueError:  # created by another process meanwhile
+            out[node] = ray.get_actor(name, namespace=NAMESPACE)
+    ray.get([h.where.remote() for h in out.values()], timeout=timeout_s)  # started
+    return out
+
+
+def release(tier: str) -> int:
+    """End every holder of ``tier`` (their memory is freed); how many there were."""
+    import ray
+
+    holders = live_holders(tier)
+    for h in holders:
+        ray.kill(h)
+    return len(holders)
+
+
+def rank_nodes(groups: dict[str, list[Any]], timeout_s: float) -> dict[str, list[str]]:
+    """role -> the node id of each rank of ``groups`` (role -> worker actors by rank)."""
+    import ray
+
+    from raycheckpoint._internal.rpc import get
+
+    ranks = [(role, w) for role, ws in groups.items() for w in ws]
+    nodes = get([w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                 for _, w in ranks], timeout_s)
+    if len(set(nodes)) < 2:
+        warnings.warn("checkpoint.memory_replicas: every rank runs on one node, so the memory "
+                      "tier has no other node to keep replicas on: it survives a worker crash, "
+                      "not the loss of the node", RuntimeWarning, stacklevel=3)
+    out: dict[str, list[str]] = {}
+    for (role, _), node in zip(ranks, nodes, strict=True):
+        out.setdefault(role, []).append(node)
+    return out
+
+
+def placement(rank_nodes: dict[str, list[str]], replicas: int) -> dict[tuple[str, int], list[str]]:
+    """(role, rank) -> the nodes whose holders keep its files: its own node, then the next
+    ``replicas`` nodes of the ring of the job's nodes."""
+    ring = sorted({n for nodes in rank_nodes.values() for n in nodes})
+    out = {}
+    for role, nodes in rank_nodes.items():
+        for rank, node in enumerate(nodes):
+            i = ring.index(node)
+            out[(role, rank)] = [ring[(i + k) % len(ring)]
+                                 for k in range(min(replicas, len(ring) - 1) + 1)]
+    return out
+
+
+def replicate_to_memory(source: Storage, target: RootState, name: str,
+                        rank_nodes: dict[str, list[str]], replicas: int,
+                        timeout_s: float = 600.0) -> dict[str, Any]:
+    """Copy committed checkpoint ``name`` of ``source`` into the memory tier ``target``
+    (see the module doc) and commit it there.  Returns ``{"name", "bytes", "files", "s"}``."""
+    import ray
+
+    t0 = time.perf_counter()
+    marker = catalog.read_marker(source, name)
+    if marker is None:
+        raise FileNotFoundError(f"{name} is not committed in {source.url()}")
+    paths = CheckpointPaths(name)
+    manifest_bytes = source.read_bytes(paths.manifest)
+    if hashlib.sha256(manifest_bytes).hexdigest() != marker.manifest_sha256:
+        raise IntegrityError(f"{paths.manifest}: does not match its marker in {source.url()}",
+                             path=paths.manifest)
+    manifest = Manifest.from_bytes(manifest_bytes)
+    tier = target.storage.root
+    where = placement(rank_nodes, replicas)
+    missing = sorted(set(manifest.roles) - {role for role, _ in where})
+    if missing or any(rank >= len(rank_nodes[r]) for r in manifest.roles
+                      for rank in manifest.roles[r].ranks):
+        raise ValueError(f"{name}: the memory tier knows no node for some ranks of roles "
+                         f"{sorted(manifest.roles)} (ranks run on {rank_nodes})")
+    holders = ensure_holders(tier, [n for nodes in where.values() for n in nodes])
+    owners: dict[str, list[str]] = {}
+    for role, layout in manifest.roles.items():
+        for rank, files in layout.ranks.items():
+            for path in files:
+                owners.setdefault(path, [])
+                owners[path] += [n for n in where[(role, rank)] if n not in owners[path]]
+    held = target.storage.list_files(name)
+    if catalog.read_marker(target.storage, name) is not None and all(
+            held.get(p) == e.size for p, e in manifest.files.items() if paths.holds(p)):
+        return {"name": name, "bytes": 0, "files": len(manifest.files), "holders": len(holders),
+                "s": time.perf_counter() - t0, "already": True}
+    if held:  # a copy cut short, or one that lost files with a holder
+        target.delete_step(name, target.referenced(target.markers))
+    for path, entry in sorted(manifest.files.items()):
+        data = source.read_bytes(path)
+        verify_bytes(path, data, entry, checksums=True)  # never spread a bad source copy
+        ref = ray.put(data)
+        del data
+        to = [holders[n] for n in owners.get(path, holders)]  # unowned files: every holder
+        ray.get([h.put.remote(target.storage.full_path(path), ref, entry.to_dict()) for h in to],
+                timeout=timeout_s)
+    m_entry = target.storage.write_bytes(paths.manifest, manifest_bytes, checksum="sha256")
+    if m_entry.digest != marker.manifest_sha256:
+        raise IntegrityError(f"{target.storage.url(paths.manifest)}: written bytes do not match "
+                             "the marker", path=paths.manifest)
+    # the memory tier keeps no tags: it holds the newest checkpoint only
+    mark_committed(target, dataclasses.replace(marker, tag=None), manifest, point="memory")
+    return {"name": name, "bytes": marker.bytes, "files": len(manifest.files),
+            "holders": len(holders), "s": time.perf_counter() - t0}

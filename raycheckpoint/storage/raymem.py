@@ -1,0 +1,211 @@
+"""The memory tier as a root: ``rcmem://<tier>``, files held by replica-holder actors.
+
+A tiered job with ``checkpoint.memory_replicas`` keeps its newest checkpoint in the host
+memory of :class:`~raycheckpoint.protocol.memory.ReplicaHolder` actors, one per node
+(:mod:`raycheckpoint.protocol.memory` places them and decides which holders keep which
+rank's files).  This module makes the union of those holders a filesystem
+(:class:`RayMemoryFileSystem`, fsspec protocol ``rcmem``), so the rest of the library
+reads, verifies and loads a checkpoint of the memory tier exactly as one on disk:
+
+* the holders of tier ``<tier>`` are the live named Ray actors ``memory-<tier>-*`` of
+  the ``raycheckpoint`` namespace: a holder that died (its node lost) is simply absent,
+  and so are the files only it held;
+* a read is served by the first live holder that has the file; a listing is the union
+  of every live holder's files;
+* a write (the metadata: manifest, ``COMMITTED``, ``LATEST``, the catalog) goes to every
+  live holder, so any one that survives shows the committed checkpoint; a delete
+  reaches every live holder.
+
+It needs a Ray connection (the driver's, a worker's or the coordinator's).  Shard files
+are not written through here: the memory tier's replication puts each rank's files in
+the holders its placement picks, verified by checksum as they arrive.
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+from typing import Any
+
+from fsspec import AbstractFileSystem, register_implementation
+
+from raycheckpoint.storage.base import Storage
+from raycheckpoint.storage.spec import Capabilities
+
+PROTOCOL = "rcmem"
+NAMESPACE = "raycheckpoint"  # where the holders are named (the coordinators' namespace)
+
+
+def holder_prefix(tier: str) -> str:
+    """The name prefix of tier ``tier``'s holder actors."""
+    return f"memory-{tier}-"
+
+
+def live_holders(tier: str) -> list[Any]:
+    """Handles of the live holders of ``tier``, in name order."""
+    import ray
+
+    prefix = holder_prefix(tier)
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a.get("namespace") == NAMESPACE and a["name"].startswith(prefix))
+    out = []
+    for name in names:
+        try:
+            out.append(ray.get_actor(name, namespace=NAMESPACE))
+        except ValueError:  # died since it was listed
+            continue
+    return out
+
+
+class _Upload(io.BytesIO):
+    """A file opened for writing: its bytes go to every live holder when it is closed."""
+
+    def __init__(self, fs: RayMemoryFileSystem, path: str) -> None:
+        super().__init__()
+        self._fs, self._path = fs, path
+
+    def close(self) -> None:
+        if not self.closed:
+            data = self.getvalue()
+            super().close()
+            self._fs.pipe_file(self._path, data)
+
+    def discard(self) -> None:
+        super().close()
+
+
+class RayMemoryFileSystem(AbstractFileSystem):
+    """The files of one memory tier's holders (see the module doc)."""
+
+    protocol = PROTOCOL
+    cachable = False  # a fresh view of which holders live on every open
+
+    def __init__(self, timeout_s: float = 120.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        path = path[len(PROTOCOL) + 3:] if path.startswith(PROTOCOL + "://") else path
+        return path.strip("/")
+
+    # ---- the holders ------------------------------------------------------------------------
+
+    def _holders(self, path: str) -> list[Any]:
+        return live_holders(path.split("/", 1)[0])
+
+    def _each(self, path: str, call: Any) -> list[Any]:
+        """``call(holder)`` (an ObjectRef) on every live holder of ``path``'s tier; the
+        answers of those that answered (a holder dying meanwhile is skipped)."""
+        import ray
+
+        out = []
+        for h in self._holders(path):
+            try:
+                out.append(ray.get(call(h), timeout=self.timeout_s))
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                continue
+        return out
+
+    def _listing(self, path: str) -> dict[str, int]:
+        merged: dict[str, int] = {}
+        for files in self._each(path, lambda h: h.listing.remote(path)):
+            merged.update(files)
+        return merged
+
+    # ---- fsspec -----------------------------------------------------------------------------
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        path = self._strip_protocol(path)
+        files = self._listing(path)
+        if path in files:
+            entries = [{"name": path, "size": files[path], "type": "file"}]
+        else:
+            prefix = path + "/"
+            children: dict[str, dict[str, Any]] = {}
+            for p, size in files.items():
+                if not p.startswith(prefix):
+                    continue
+                head, _, rest = p[len(prefix):].partition("/")
+                name = prefix + head
+                children[name] = ({"name": name, "size": 0, "type": "directory"} if rest
+                                  else {"name": name, "size": size, "type": "file"})
+            if not children:
+                raise FileNotFoundError(path)
+            entries = [children[k] for k in sorted(children)]
+        return entries if detail else [e["name"] for e in entries]
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        path = self._strip_protocol(path)
+        files = self._listing(path)
+        if path in files:
+            return {"name": path, "size": files[path], "type": "file"}
+        if any(p.startswith(path + "/") for p in files):
+            return {"name": path, "size": 0, "type": "directory"}
+        raise FileNotFoundError(path)
+
+    def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False,
+             detail: bool = False, **kwargs: Any) -> Any:
+        path = self._strip_protocol(path)
+        files = {p: {"name": p, "size": s, "type": "file"}
+                 for p, s in self._listing(path).items() if p == path or p.startswith(path + "/")}
+        return files if detail else sorted(files)
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None,
+                 **kwargs: Any) -> bytes:
+        import ray
+
+        path = self._strip_protocol(path)
+        for h in self._holders(path):
+            try:
+                data = ray.get(h.get.remote(path, start, end), timeout=self.timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                continue
+            if data is not None:
+                return data
+        raise FileNotFoundError(path)
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        path = self._strip_protocol(path)
+        if "r" in mode:
+            return io.BytesIO(self.cat_file(path))
+        return _Upload(self, path)
+
+    def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
+        path = self._strip_protocol(path)
+        if not self._each(path, lambda h: h.put.remote(path, value)):
+            raise OSError(f"{PROTOCOL}://{path}: no live replica holder to write to")
+
+    def rm_file(self, path: str) -> None:
+        path = self._strip_protocol(path)
+        self._each(path, lambda h: h.delete.remote(path, False))
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
+        for p in [path] if isinstance(path, str) else path:
+            p = self._strip_protocol(p)
+            self._each(p, lambda h, p=p: h.delete.remote(p, recursive))
+
+    def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
+        """Nothing: directories are the prefixes of the held files."""
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        """Nothing: directories are the prefixes of the held files."""
+
+    def created(self, path: str) -> Any:
+        raise NotImplementedError("the memory tier records no creation times")
+
+    def modified(self, path: str) -> Any:
+        raise NotImplementedError("the memory tier records no modification times")
+
+
+class RayMemoryStorage(Storage):
+    """A memory tier's root (``rcmem://<tier>``): shared by every process of the Ray job
+    that can reach its holders."""
+
+    caps = Capabilities(shared=True)
+
+    def url(self, rel: str = "") -> str:
+        return f"{PROTOCOL}://{posixpath.join(self.root, rel) if rel else self.root}"
+
+
+register_implementation(PROTOCOL, RayMemoryFileSystem, clobber=True)
