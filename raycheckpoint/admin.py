@@ -130,26 +130,33 @@ def list_root(storage: Storage, now: float | None = None) -> dict[str, Any]:
             "lease": lease_doc, "checkpoints": rows}
 
 
-def list_tiers(durable: Storage, local: Storage, now: float | None = None) -> dict[str, Any]:
+def list_tiers(durable: Storage, local: Storage, now: float | None = None, *,
+               memory: Storage | None = None) -> dict[str, Any]:
     """:func:`list_root` of a tiered job's durable root, with the checkpoints of its local
-    tier merged in: each row's ``tiers`` says which tiers hold it and in what state
-    (``committed``; ``writing`` in the local tier, ``copying`` in the durable one: a step
-    directory without its marker, a save or a replication in flight or cut short)."""
+    tier (and ``memory`` tier: needs a Ray connection) merged in: each row's ``tiers``
+    says which tiers hold it and in what state (``committed``; ``writing`` in the local
+    tier, ``copying`` in the others: a step directory without its marker, a save or a
+    copy in flight or cut short)."""
     doc = list_root(durable, now)
-    local_doc = list_root(local, now)
     rows = {r["name"]: r for r in doc["checkpoints"]}
     for r in rows.values():
         r["tiers"] = {"durable": "committed" if r["state"] == "committed" else "copying"}
-    for r in local_doc["checkpoints"]:
-        state = "committed" if r["state"] == "committed" else "writing"
-        if r["name"] in rows:
-            rows[r["name"]]["tiers"] = {"local": state, **rows[r["name"]]["tiers"]}
-        else:
-            rows[r["name"]] = {**r, "latest": False, "tiers": {"local": state}}
-            if r["state"] == "committed":
-                rows[r["name"]]["state"] = "committed (local tier only)"
+    for tier, storage, partial in (("local", local, "writing"), ("memory", memory, "copying")):
+        if storage is None:
+            continue
+        tier_doc = list_root(storage, now)
+        for r in tier_doc["checkpoints"]:
+            state = "committed" if r["state"] == "committed" else partial
+            if r["name"] in rows:
+                rows[r["name"]]["tiers"] = {tier: state, **rows[r["name"]]["tiers"]}
+            else:
+                rows[r["name"]] = {**r, "latest": False, "tiers": {tier: state}}
+                if r["state"] == "committed":
+                    rows[r["name"]]["state"] = f"committed ({tier} tier only)"
+        doc[tier] = {"root": tier_doc["root"], "latest": tier_doc["latest"]}
+    for r in rows.values():  # fastest tier first
+        r["tiers"] = {t: r["tiers"][t] for t in ("memory", "local", "durable") if t in r["tiers"]}
     doc["checkpoints"] = sorted(rows.values(), key=lambda r: (r["step"], r["committed_at"] or 0.0))
-    doc["local"] = {"root": local_doc["root"], "latest": local_doc["latest"]}
     return doc
 
 

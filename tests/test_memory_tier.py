@@ -7,12 +7,16 @@ cluster test (tests/cluster/node_loss.py) loses a whole node."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import ray
 
-from raycheckpoint import Storage
+from raycheckpoint import Storage, admin
 from raycheckpoint.protocol import catalog
-from raycheckpoint.protocol.memory import tier_id
+from raycheckpoint.protocol.memory import tier_id, tier_uri
 from raycheckpoint.storage.raymem import live_holders
 from tests.helpers import RPC_TIMEOUT, assert_same, full_state, manager, train
 
@@ -54,6 +58,17 @@ def test_resume_reads_memory_first_and_passes_over_a_bad_or_lost_replica(group2,
     local_files = Storage(local).list_files("step_00000003")
     assert {p: s for p, s in files.items() if p.startswith(f"{tier}/step_")} == {
         f"{tier}/{p}": s for p, s in local_files.items()}
+
+    # one view of the tiers, in this process and from the command line
+    by_name = {r["name"]: r["tiers"] for r in admin.list_tiers(
+        Storage(root), Storage(local), memory=Storage(tier_uri(tier)))["checkpoints"]}
+    assert by_name == {"step_00000002": {"local": "committed", "durable": "committed"},
+                       "step_00000003": {"memory": "committed", "local": "committed"}}, by_name
+    ls = subprocess.run([sys.executable, "-m", "raycheckpoint.cli", "ls", root, "--local", local,
+                         "--memory", ray.get_runtime_context().gcs_address, "--json"],
+                        capture_output=True, text=True, timeout=120)
+    assert ls.returncode == 0, ls.stderr[-3000:]
+    assert {r["name"]: r["tiers"] for r in json.loads(ls.stdout)["checkpoints"]} == by_name
 
     train(group2, [99])
     m = manager(root, {"actor": group2}, config={**config(local), "debug": True})

@@ -1,6 +1,7 @@
-"""``raycheckpoint``: look at, verify, clean up and export checkpoints; no Ray needed.
+"""``raycheckpoint``: look at, verify, clean up and export checkpoints; no Ray needed
+(except to list a running job's memory tier: ``ls --memory``).
 
-    raycheckpoint ls ROOT [--local DIR]
+    raycheckpoint ls ROOT [--local DIR [--memory RAY_ADDRESS]]
     raycheckpoint inspect REF [--all-tensors]
     raycheckpoint verify REF|ROOT
     raycheckpoint gc ROOT [--dry-run] [--keep-last-n N ...] [--grace-s S]
@@ -83,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", metavar="DIR", default=None,
                    help="a tiered job's local tier (checkpoint.local_dir): list both tiers, "
                         "with the tiers that hold each checkpoint")
+    p.add_argument("--memory", metavar="RAY_ADDRESS", default=None,
+                   help="with --local: the memory tier too (checkpoint.memory_replicas), read "
+                        "from the replica holders of the Ray cluster at this address ('auto': "
+                        "the cluster this machine belongs to)")
     _add_common(p)
 
     p = sub.add_parser("inspect", help="roles, world sizes, tensors, trainer state, version")

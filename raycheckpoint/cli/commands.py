@@ -28,8 +28,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from raycheckpoint import admin
 
     root = admin.open_root(args.root, storage_options(args))
+    if args.memory is not None and args.local is None:
+        raise ValueError("--memory lists a tiered job's memory tier: give its --local DIR too")
     doc = (admin.list_root(root) if args.local is None
-           else admin.list_tiers(root, admin.open_root(args.local)))
+           else admin.list_tiers(root, admin.open_root(args.local),
+                                 memory=_memory_tier(root, args.memory)))
     if args.json:
         emit_json(doc)
         return EXIT_OK
@@ -38,8 +41,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         out.print(f"no checkpoints under {doc['root']}")
         return EXIT_OK
     title = f"{doc['root']}  (LATEST -> {doc['latest'] or 'none'})"
-    if "local" in doc:
-        title += f"\nlocal tier {doc['local']['root']}  (LATEST -> {doc['local']['latest'] or 'none'})"
+    for tier in ("local", "memory"):
+        if tier in doc:
+            title += (f"\n{tier} tier {doc[tier]['root']}  (LATEST -> "
+                      f"{doc[tier]['latest'] or 'none'})")
     table = Table(title=title, title_justify="left")
     columns = ["step", "name", "kind", "tags", "metrics", "size", "age", "state", "verified"]
     for col in columns + (["tiers"] if "local" in doc else []):
@@ -62,6 +67,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for t, target in sorted(doc["dangling_tags"].items()):
         out.print(f"[yellow]tag {t} points to {target}, which is not committed[/yellow]")
     return EXIT_OK
+
+
+def _memory_tier(root: Any, address: str | None) -> Any:
+    """The memory tier of the job writing ``root``, through the Ray cluster at ``address``."""
+    if address is None:
+        return None
+    import ray
+
+    from raycheckpoint.protocol.memory import tier_id, tier_uri
+    from raycheckpoint.storage import Storage
+
+    ray.init(address=address, log_to_driver=False, configure_logging=False)
+    return Storage(tier_uri(tier_id(root.url())))
 
 
 def verified_text(record: dict[str, Any] | None, now: float) -> str:
