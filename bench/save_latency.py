@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="processes hosting the virtual ranks")
     p.add_argument("--shard-bytes", type=parse_bytes, default=parse_bytes("64KiB"),
                    help="bytes each virtual rank writes")
-    p.add_argument("--tiers", default=None, metavar="local,durable",
+    p.add_argument("--tiers", default=None, metavar="[memory,]local,durable",
                    help="tiered saves (checkpoint.local_dir, replicated to --storage) against "
                         "direct saves to --storage (see bench/tiers.py)")
     p.add_argument("--local-dir", default=None, help="the local tier for --tiers (default: a "

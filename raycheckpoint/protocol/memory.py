@@ -62,20 +62,24 @@ class ReplicaHolder:
 
     def __init__(self, tier: str, node_id: str) -> None:
         self.tier, self.node_id = tier, node_id
-        self._files: dict[str, bytes] = {}
+        self._files: dict[str, Any] = {}  # path -> uint8 array (returned without a copy)
         self._lock = threading.Lock()
 
     def put(self, path: str, data: bytes, entry: dict[str, Any] | None = None) -> int:
         """Hold ``data`` as ``path``; with ``entry`` (a manifest entry) only if the bytes
         match its size and checksum (IntegrityError otherwise: nothing is kept)."""
-        data = bytes(data)
-        if entry is not None:
-            verify_bytes(path, data, FileEntry.from_dict(entry), checksums=True)
-        with self._lock:
-            self._files[path] = data
-        return len(data)
+        import numpy as np
 
-    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes | None:
+        held = np.frombuffer(bytes(data), dtype=np.uint8)
+        if entry is not None:
+            verify_bytes(path, memoryview(held), FileEntry.from_dict(entry), checksums=True)
+        with self._lock:
+            self._files[path] = held
+        return held.nbytes
+
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> Any:
+        """The bytes of ``path`` (a uint8 array: Ray hands it to the reader without a
+        copy), or None when this holder does not have it."""
         with self._lock:
             data = self._files.get(path)
         return None if data is None else data[start:end]
@@ -83,7 +87,7 @@ class ReplicaHolder:
     def listing(self, prefix: str = "") -> dict[str, int]:
         """``{path: size}`` of the files at or below ``prefix``."""
         with self._lock:
-            return {p: len(d) for p, d in self._files.items()
+            return {p: d.nbytes for p, d in self._files.items()
                     if not prefix or p == prefix or p.startswith(prefix.rstrip("/") + "/")}
 
     def delete(self, path: str, recursive: bool = False) -> int:
@@ -97,7 +101,7 @@ class ReplicaHolder:
     def where(self) -> dict[str, Any]:
         with self._lock:
             return {"node_id": self.node_id, "files": len(self._files),
-                    "bytes": sum(len(d) for d in self._files.values())}
+                    "bytes": sum(d.nbytes for d in self._files.values())}
 
 
 def holder_name(tier: str, node_id: str) -> str:

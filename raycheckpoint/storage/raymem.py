@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import posixpath
+import time
 from typing import Any
 
 from fsspec import AbstractFileSystem, register_implementation
@@ -33,6 +34,7 @@ from raycheckpoint.storage.base import Storage
 from raycheckpoint.storage.spec import Capabilities
 
 PROTOCOL = "rcmem"
+HOLDERS_TTL_S = 1.0  # how long a lookup of the live holders is reused
 NAMESPACE = "raycheckpoint"  # where the holders are named (the coordinators' namespace)
 
 
@@ -55,6 +57,48 @@ def live_holders(tier: str) -> list[Any]:
         except ValueError:  # died since it was listed
             continue
     return out
+
+
+class _View(io.RawIOBase):
+    """A held file opened for reading: a read-only view of the bytes Ray delivered (no
+    copy until the reader's own ``readinto``)."""
+
+    def __init__(self, data: Any) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    @property
+    def size(self) -> int:
+        return self._view.nbytes
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._view.nbytes}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, out: Any) -> int:
+        out = memoryview(out).cast("B")
+        n = max(0, min(out.nbytes, self._view.nbytes - self._pos))
+        out[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        end = self._view.nbytes if size is None or size < 0 else min(self._view.nbytes,
+                                                                      self._pos + size)
+        data = self._view[self._pos:end].tobytes()
+        self._pos = max(self._pos, end)
+        return data
 
 
 class _Upload(io.BytesIO):
@@ -83,6 +127,7 @@ class RayMemoryFileSystem(AbstractFileSystem):
     def __init__(self, timeout_s: float = 120.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.timeout_s = timeout_s
+        self._found: tuple[float, str, list[Any]] | None = None  # (when, tier, handles)
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
@@ -92,7 +137,12 @@ class RayMemoryFileSystem(AbstractFileSystem):
     # ---- the holders ------------------------------------------------------------------------
 
     def _holders(self, path: str) -> list[Any]:
-        return live_holders(path.split("/", 1)[0])
+        """The live holders of ``path``'s tier, looked up again after HOLDERS_TTL_S (a call
+        to a holder that died since is skipped where it is made)."""
+        tier, now = path.split("/", 1)[0], time.monotonic()
+        if self._found is None or self._found[1] != tier or now - self._found[0] > HOLDERS_TTL_S:
+            self._found = (now, tier, live_holders(tier))
+        return self._found[2]
 
     def _each(self, path: str, call: Any) -> list[Any]:
         """``call(holder)`` (an ObjectRef) on every live holder of ``path``'s tier; the
@@ -153,9 +203,12 @@ class RayMemoryFileSystem(AbstractFileSystem):
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None,
                  **kwargs: Any) -> bytes:
+        return bytes(self._fetch(self._strip_protocol(path), start, end))
+
+    def _fetch(self, path: str, start: int | None = None, end: int | None = None) -> Any:
+        """``path``'s bytes from the first live holder that has it: a read-only buffer."""
         import ray
 
-        path = self._strip_protocol(path)
         for h in self._holders(path):
             try:
                 data = ray.get(h.get.remote(path, start, end), timeout=self.timeout_s)
@@ -168,7 +221,7 @@ class RayMemoryFileSystem(AbstractFileSystem):
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         path = self._strip_protocol(path)
         if "r" in mode:
-            return io.BytesIO(self.cat_file(path))
+            return _View(self._fetch(path))
         return _Upload(self, path)
 
     def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
@@ -206,6 +259,9 @@ class RayMemoryStorage(Storage):
 
     def url(self, rel: str = "") -> str:
         return f"{PROTOCOL}://{posixpath.join(self.root, rel) if rel else self.root}"
+
+    def _open_size(self, rel: str, f: Any) -> int:
+        return f.size  # the bytes are here already: no listing of every holder
 
 
 register_implementation(PROTOCOL, RayMemoryFileSystem, clobber=True)
