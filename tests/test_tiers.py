@@ -234,6 +234,27 @@ def test_a_local_dir_some_rank_cannot_see_is_refused(tmp_path):
     assert JobRoots(durable=StorageSpec(str(tmp_path))).write_probe() is None
 
 
+def test_a_new_best_checkpoint_always_reaches_the_durable_tier(group2, tmp_path):
+    root, local = str(tmp_path / "durable"), str(tmp_path / "nvme")
+    m = manager(root, {"actor": group2}, config=tiers(local, replicate_every=100, keep_last_n=None,
+                                                      keep_best_n=2, best_metric="reward"))
+    try:
+        for step, reward in enumerate([1.0, 3.0, 2.0, 0.5, 5.0, 4.0], start=1):
+            train(group2, [step])
+            m.update(step=step, metrics={"reward": reward})
+            m.save_checkpoint().wait(RPC_TIMEOUT)
+        assert ray.get(m.coordinator.wait_replication.remote(60), timeout=RPC_TIMEOUT)
+        status = m.replication()
+    finally:
+        m.close(60)
+    # each one among the 2 best so far when it committed (never by count: every 100th);
+    # step 4 (0.5) never was; step 6 (4.0) is, beside 5.0
+    assert status["replicated"] == ["step_00000001", "step_00000002", "step_00000003",
+                                    "step_00000005", "step_00000006"], status
+    # the durable tier's retention keeps the 2 best
+    assert committed(Storage(root)) == ["step_00000005", "step_00000006"]
+
+
 def test_retention_per_tier_over_thirty_saves(group2, tmp_path, s3_root):
     root, options = s3_root
     local = str(tmp_path / "nvme")

@@ -367,7 +367,7 @@ class CheckpointCoordinator:
             result["commit_s"] = time.perf_counter() - t0  # all reports in -> committed
             if self.tiers is not None:  # queued before any waiter hears of the commit
                 self.tiers.committed(save.name, kind=save.kind, tag=save.tag,
-                                     always=save.replicate)
+                                     always=save.replicate, step=save.step, metrics=save.metrics)
             self._finish(save, None, result)  # durable and visible: waiters go on now
             for w in self._workers:
                 try:

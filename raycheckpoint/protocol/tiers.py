@@ -4,7 +4,8 @@ DESIGN section 7.  The coordinator of a tiered job commits in the local tier
 (``checkpoint.local_dir``); :class:`Tiers` then queues each commit for
 
 * the durable tier (:class:`DurableTier`, ``save_dir``): every ``replicate_every``-th
-  checkpoint, and always a tagged one, the train-end and preemption saves; retention
+  checkpoint, and always a tagged one, one among the ``keep_best_n`` best by
+  ``best_metric`` so far, the train-end and preemption saves; retention
   of the local tier keeps what still waits for it (up to ``replication_backlog``);
 * the memory tier (:class:`MemoryTier`, ``memory_replicas``): every full checkpoint,
   newest only (:mod:`~raycheckpoint.protocol.memory`).
@@ -20,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from raycheckpoint.policy.retention import RetentionPolicy
+from raycheckpoint.policy.retention import BestN, RetentionPolicy
 from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.collect import Collector
 from raycheckpoint.protocol.memory import replicate_to_memory
@@ -45,9 +46,12 @@ class Tiers:
     def resume_pending(self, source_markers: list[Any]) -> list[str]:
         return self.durable.resume_pending(source_markers)
 
-    def committed(self, name: str, *, kind: str, tag: str | None, always: bool) -> None:
+    def committed(self, name: str, *, kind: str, tag: str | None, always: bool, step: int = 0,
+                  metrics: dict[str, Any] | None = None) -> None:
         """A checkpoint was committed in the local tier: queue its copies."""
-        self.durable.committed(name, tag=tag, always=always)
+        self.durable.committed(name, tag=tag, always=always,
+                               entry={"name": name, "step": step, "kind": kind,
+                                      "metrics": dict(metrics or {})})
         if self.memory is not None and kind == "full":
             self.memory.replicator.enqueue(name)
 
@@ -115,6 +119,11 @@ class DurableTier:
         self.collector = Collector(target, policy, self._copying)
         with self.lock:
             self.collector.recover()  # a copy cut short is collected here
+            # keep_best_n: the best checkpoints the durable tier has or will have
+            self._best_rule = (BestN(policy.best_metric, policy.best_mode, policy.keep_best_n)
+                               if policy.keep_best_n else None)
+            self._best = [m.to_catalog_entry() for m in target.sorted_markers() if m.kind == "full"]
+            self._best = self._best_of(self._best)
         self.replicator = Replicator(source, target, self.collector, lock=self.lock,
                                      on_done=self._done)
         self._commits = 0
@@ -134,10 +143,23 @@ class DurableTier:
         self.replicator.enqueue(newest.name)
         return [newest.name]
 
-    def committed(self, name: str, *, tag: str | None, always: bool) -> bool:
-        """A checkpoint was committed in the source tier; queue it when due.  True if queued."""
+    def _best_of(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if self._best_rule is None:
+            return []
+        keep = self._best_rule.keep(entries)
+        return [e for e in entries if e["name"] in keep]
+
+    def committed(self, name: str, *, tag: str | None, always: bool,
+                  entry: dict[str, Any] | None = None) -> bool:
+        """A checkpoint was committed in the source tier; queue it when due (every
+        ``every``-th, tagged, ``always``, or one of the ``keep_best_n`` best: ``entry``'s
+        metrics).  True if queued."""
         self._commits += 1
-        if not (always or tag is not None or self._commits % self.every == 0):
+        best = False
+        if entry is not None and entry["kind"] == "full" and self._best_rule is not None:
+            self._best = self._best_of([*self._best, entry])
+            best = any(e["name"] == name for e in self._best)
+        if not (always or best or tag is not None or self._commits % self.every == 0):
             return False
         self.replicator.enqueue(name)
         pending = self.replicator.pending()
