@@ -255,6 +255,53 @@ def test_a_new_best_checkpoint_always_reaches_the_durable_tier(group2, tmp_path)
     assert committed(Storage(root)) == ["step_00000005", "step_00000006"]
 
 
+def test_a_copy_that_reads_back_wrong_is_retried_not_dropped(group2, tmp_path):
+    import io
+    import threading
+
+    from raycheckpoint.policy.retention import RetentionPolicy
+    from raycheckpoint.protocol.collect import Collector
+    from raycheckpoint.protocol.replicate import Replicator, TargetMismatchError, replicate
+    from raycheckpoint.protocol.root import RootState
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    m = manager(src, {"actor": group2})
+    try:
+        train(group2, [1])
+        m.update(step=1)
+        name = m.save_checkpoint().wait(RPC_TIMEOUT)["name"]
+    finally:
+        m.close(60)
+    target = Storage(dst)
+    flips = {"left": 1}
+    read = target.open_read
+
+    def flaky(rel):  # the target's first read-back of a shard returns one flipped bit
+        f = read(rel)
+        if rel.endswith(".distcp") and flips["left"]:
+            flips["left"] -= 1
+            with f:
+                data = bytearray(f.read())
+            data[0] ^= 1
+            return io.BytesIO(bytes(data))
+        return f
+
+    target.open_read = flaky
+    root = RootState(target)
+    with pytest.raises(TargetMismatchError, match="read back"):
+        replicate(Storage(src), root, name)
+    assert catalog.read_marker(target, name) is None
+    flips["left"] = 1
+    done = []
+    r = Replicator(Storage(src), root, Collector(root, RetentionPolicy()), lock=threading.Lock(),
+                   on_done=lambda n, res, err: done.append((n, res is not None, err)),
+                   retry_s=(0.05, 0.1))
+    r.enqueue(name)
+    assert r.wait_idle(60)
+    assert done == [(name, True, None)] and flips["left"] == 0
+    assert admin.verify(f"{dst}/{name}")["ok"]
+
+
 def test_retention_per_tier_over_thirty_saves(group2, tmp_path, s3_root):
     root, options = s3_root
     local = str(tmp_path / "nvme")

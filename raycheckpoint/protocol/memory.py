@@ -41,6 +41,7 @@ from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.commit import mark_committed
 from raycheckpoint.protocol.format import Manifest
 from raycheckpoint.protocol.paths import CheckpointPaths
+from raycheckpoint.protocol.replicate import TargetMismatchError
 from raycheckpoint.protocol.root import RootState
 from raycheckpoint.storage import FileEntry, Storage
 from raycheckpoint.storage.raymem import NAMESPACE, PROTOCOL, holder_prefix, live_holders
@@ -222,8 +223,11 @@ def replicate_to_memory(source: Storage, target: RootState, name: str,
         ref = ray.put(data)
         del data
         to = [holders[n] for n in owners.get(path, holders)]  # unowned files: every holder
-        ray.get([h.put.remote(target.storage.full_path(path), ref, entry.to_dict()) for h in to],
-                timeout=timeout_s)
+        try:
+            ray.get([h.put.remote(target.storage.full_path(path), ref, entry.to_dict())
+                     for h in to], timeout=timeout_s)
+        except IntegrityError as e:  # verified here before it left: the transfer went wrong
+            raise TargetMismatchError(f"a replica holder refused {path}: {e}") from e
     m_entry = target.storage.write_bytes(paths.manifest, manifest_bytes, checksum="sha256")
     if m_entry.digest != marker.manifest_sha256:
         raise IntegrityError(f"{target.storage.url(paths.manifest)}: written bytes do not match "

@@ -38,6 +38,7 @@ from raycheckpoint.storage import FileEntry, Storage
 
 logger = logging.getLogger(__name__)
 
+KEEP_RESULTS = 100  # replications a Replicator remembers (``results``), newest
 
 def replicate(source: Storage, target: RootState, name: str) -> dict[str, Any]:
     """Copy committed checkpoint ``name`` from ``source`` into ``target`` and commit it
@@ -71,7 +72,10 @@ def replicate(source: Storage, target: RootState, name: str) -> dict[str, Any]:
         copy_file(source, target.storage, path, entry)
         copied += entry.size
     faults.check("replicate.verify", path=name)
-    verify_files(target.storage, manifest.files)  # read back: what the target holds
+    try:
+        verify_files(target.storage, manifest.files)  # read back: what the target holds
+    except IntegrityError as e:  # the source matched as it was read: the copy went wrong
+        raise TargetMismatchError(f"{target.storage.url(name)}: read back, {e}") from e
     m_entry = target.storage.write_bytes(paths.manifest, manifest_bytes, checksum="sha256")
     if m_entry.digest != marker.manifest_sha256:
         raise IntegrityError(f"{target.storage.url(paths.manifest)}: written bytes do not match "
@@ -80,6 +84,12 @@ def replicate(source: Storage, target: RootState, name: str) -> dict[str, Any]:
     mark_committed(target, marker, manifest, point="replicate")
     return {"name": name, "bytes": marker.bytes, "files": len(manifest.files), "copied": copied,
             "s": time.perf_counter() - t0}
+
+
+class TargetMismatchError(OSError):
+    """What a target tier holds after a copy does not match the manifest, although the
+    source's bytes did as they were read: the copy is retried (an IntegrityError of the
+    source copy is not: no retry makes it good)."""
 
 
 def copy_file(source: Storage, target: Storage, path: str, entry: FileEntry) -> None:
@@ -191,6 +201,8 @@ class Replicator:
     def _done(self, name: str, result: dict[str, Any] | None, error: str | None) -> None:
         if result is not None:
             self.results[name] = result
+            while len(self.results) > KEEP_RESULTS:  # the oldest first (insertion order)
+                del self.results[next(iter(self.results))]
         try:  # before the replication counts as over: wait_idle() covers what it does
             self._on_done(name, result, error)
         finally:
