@@ -133,6 +133,10 @@ class CheckpointConfig(RetentionRules):
     # full checkpoint in host memory: each rank's files on its own node and on the next R
     # nodes of the job's ring, so that losing R nodes loses no shard (protocol/memory.py).
     local_dir: str | None = None
+    # local_dir_per_node: local_dir is each node's own disk (the ranks of a node write
+    # there; the coordinator commits on every node through per-node agents:
+    # protocol/nodes.py); "{node_id}" in local_dir becomes the node's Ray id
+    local_dir_per_node: bool = False
     replicate_every: int = 1
     keep_last_n_local: int = 2
     replication_backlog: int = 4
@@ -181,6 +185,8 @@ class CheckpointConfig(RetentionRules):
         if not isinstance(self.memory_replicas, int) or self.memory_replicas < 0:
             raise ValueError("checkpoint.memory_replicas must be a non-negative integer, got "
                              f"{self.memory_replicas!r}")
+        if self.local_dir_per_node and self.local_dir is None:
+            raise ValueError("checkpoint.local_dir_per_node needs checkpoint.local_dir")
         if self.memory_replicas and self.local_dir is None:
             raise ValueError("checkpoint.memory_replicas needs checkpoint.local_dir: the memory "
                              "tier copies the checkpoints committed in the local tier")

@@ -71,7 +71,9 @@ class LoadResult:
 class CheckpointLoader:
     """Loads checkpoints of ``storage``'s root into ``groups`` (role -> workers by rank);
     ``durable``: a tiered job's durable root, where ``storage`` is its local tier;
-    ``memory``: its memory tier (``checkpoint.memory_replicas``).
+    ``memory``: its memory tier (``checkpoint.memory_replicas``); ``workers_see_root``:
+    False where ``storage`` is the union of per-node directories (the workers are handed
+    its spec, and read each file from the node that has it).
 
     ``workers_loaded()`` is called once every worker has loaded (the manager hashes its
     frozen roles' weights anew then); ``dataloader`` is restored from a full checkpoint.
@@ -80,8 +82,9 @@ class CheckpointLoader:
     def __init__(self, storage: Storage, config: CheckpointConfig, groups: dict[str, list[Any]],
                  *, cipher: Any, fingerprint: dict[str, Any], dataloader: Any,
                  workers_loaded: Callable[[], None], durable: StorageSpec | None = None,
-                 memory: StorageSpec | None = None) -> None:
+                 memory: StorageSpec | None = None, workers_see_root: bool = True) -> None:
         self.storage = storage
+        self.workers_see_root = workers_see_root
         self.durable = durable  # a tiered job's durable root (``storage`` is its local tier)
         self.memory = memory
         self._durable: Storage | None = None
@@ -161,9 +164,10 @@ class CheckpointLoader:
                     failures.append(f"{m.name}: failed background verification: "
                                     f"{record.get('error')}")
                     continue
-                if storage is self._memory and not _complete(storage, m.name):
-                    logger.info("%s is not read from the memory tier: a replica holder that "
-                                "had some of its files is gone", m.name)
+                if self.durable is not None and storage is not self._durable and not _complete(
+                        storage, m.name):
+                    logger.info("%s is not read from the %s: files of it went with a node "
+                                "(its replica holder or its disk)", m.name, self._tier_name(storage))
                     continue
                 found.setdefault(m.name, (catalog.order_key(m), []))[1].append(storage)
         ordered = sorted(found.items(), key=lambda kv: kv[1][0], reverse=True)
@@ -232,7 +236,8 @@ class CheckpointLoader:
         if extra_roles:
             skipped.append(f"roles in the checkpoint with no worker group here: {extra_roles}")
         requests = self._requests(ck, weights_only=weights_only, strict=strict,
-                                  storage=None if storage is self.storage else storage.spec)
+                                  storage=None if storage is self.storage and self.workers_see_root
+                                  else storage.spec)
         handed = {p for _, req in requests for p in req["files"]}
         # what no worker will read is checked first: a corrupt asset refuses the checkpoint
         # before any worker's state changes

@@ -43,7 +43,7 @@ from raycheckpoint.integrity.crypto import FileCipher, load_key
 from raycheckpoint.loader import CheckpointLoader, LoadResult
 from raycheckpoint.metrics import CheckpointMetrics
 from raycheckpoint.policy.retention import RetentionPolicy
-from raycheckpoint.protocol import coordinator, memory
+from raycheckpoint.protocol import coordinator
 from raycheckpoint.roots import open_roots
 from raycheckpoint.save_handle import SaveHandle, SaveTracker
 from raycheckpoint.state import capture_rng
@@ -89,10 +89,11 @@ class CheckpointManager:
         self.verifications: list[dict[str, Any]] = []  # background verification results
         self._stepper = StepSaver(self)
         self._loader = CheckpointLoader(
-            self.roots.write.open(), config, self.groups, cipher=self.cipher,
+            self.roots.commit.open(), config, self.groups, cipher=self.cipher,
             fingerprint=self.fingerprint, dataloader=dataloader,
             workers_loaded=self._refresh_identities,
-            durable=self.spec if self.roots.local is not None else None, memory=self.roots.memory)
+            durable=self.spec if self.roots.local is not None else None, memory=self.roots.memory,
+            workers_see_root=self.roots.nodes is None)
         try:
             self._start(config, prepare_buffers)
         except BaseException:
@@ -102,12 +103,13 @@ class CheckpointManager:
     def _start(self, config: CheckpointConfig, prepare_buffers: bool) -> None:
         roots = self.roots
         tiered = roots.local is not None
+        rpc = config.rpc_timeout_s
+        rank_nodes = roots.place(self.groups, rpc)  # per-node agents started: before commits
         self._coordinator = coordinator.start(
-            roots.write, config, roots.lease_id("local" if tiered else "durable"),
+            roots.commit, config, roots.lease_id("local" if tiered else "durable"),
             verifier=verifier.start if config.verify_interval else None,
             durable=roots.durable if tiered else None, durable_lease_job_id=roots.lease_id("durable"),
             memory=roots.memory)
-        rpc = config.rpc_timeout_s
         probe = roots.write_probe()
         ranks = [(role, rank, w) for role, ws in self.groups.items() for rank, w in enumerate(ws)]
         seen = _get([w.ckpt_setup.remote(
@@ -117,7 +119,6 @@ class CheckpointManager:
             write_ahead=config.write_ahead) for role, rank, w in ranks], rpc)
         roots.check_visible(probe, [(f"{role}/{rank}", ok)
                                     for (role, rank, _), ok in zip(ranks, seen, strict=True)])
-        rank_nodes = None if roots.memory is None else memory.rank_nodes(self.groups, rpc)
         _get(self._coordinator.register_workers.remote(self.workers, rank_nodes), rpc)
         self._refresh_identities()
         if prepare_buffers:  # first-touch the host buffers now, not in the first save's stall
@@ -382,15 +383,15 @@ class CheckpointManager:
 
     def close(self, timeout: float | None = None, *, release_memory: bool = True) -> None:
         """Wait for saves in flight, their clean-up and (tiered) their replication, then stop
-        the coordinator actor.  The memory tier's holders are ended too when all of that
-        succeeded and ``release_memory`` (False: a job started next on this root finds the
-        newest checkpoint in memory)."""
+        the coordinator actor.  The memory tier's holders (and per-node directories' agents)
+        are ended too when all of that succeeded and ``release_memory`` (False: a job
+        started next on this root finds the newest checkpoint in memory)."""
         try:
             self.wait_for_saves(timeout)
             self.wait_for_cleanup(timeout)
             self._wait_replication(timeout)
-            if self.roots.memory is not None and release_memory:
-                memory.release(self.roots.memory.open().root)
+            if release_memory:
+                self.roots.end_actors()
         finally:
             ray.kill(self._coordinator)
             self.roots.release()

@@ -7,11 +7,15 @@ the local directory, and committed checkpoints are replicated to ``save_dir`` in
 background (:mod:`raycheckpoint.protocol.replicate`).  Each root is guarded by its own
 lease, taken before anything under it is touched.
 
-The local tier must be one directory that every rank and the coordinator see: a
-machine's own disk when the job runs on one node, or a filesystem every node mounts.
+The local tier is one directory that every rank and the coordinator see (a machine's
+own disk when the job runs on one node, or a filesystem every node mounts), or, with
+``checkpoint.local_dir_per_node``, each node's own directory: the ranks write there and
+the coordinator commits through the union of per-node agents
+(:mod:`raycheckpoint.protocol.nodes`, ``rcnode://``).  For a shared directory,
 :meth:`JobRoots.check_visible` proves it at start (a file the coordinator writes, which
-every rank must read) and refuses a job whose ranks would each see their own disk:
-per-node local directories are not supported in this release.
+every rank must read) and refuses a job whose ranks would each see their own disk,
+naming ``local_dir_per_node``.  Per-node directories hold no lease of their own: the
+durable root's lease guards the job.
 """
 
 from __future__ import annotations
@@ -35,12 +39,41 @@ class JobRoots:
     durable: StorageSpec
     local: StorageSpec | None = None
     memory: StorageSpec | None = None  # the memory tier (memory_replicas): protocol/memory.py
+    nodes: StorageSpec | None = None  # per-node local directories, as one root (their agents)
     leases: dict[str, Lease] = field(default_factory=dict)  # "durable" / "local" -> lease
 
     @property
     def write(self) -> StorageSpec:
-        """Where the workers write and the coordinator commits."""
+        """Where the workers write."""
         return self.local or self.durable
+
+    @property
+    def commit(self) -> StorageSpec:
+        """Where the coordinator commits and the loader reads (the union of the per-node
+        directories, or where the workers write)."""
+        return self.nodes or self.write
+
+    def place(self, groups: dict[str, list[Any]], timeout_s: float) -> dict[str, list[str]] | None:
+        """Where each rank runs (role -> node ids), for the tiers that need it (None where
+        none does); the agents of per-node directories started on those nodes."""
+        if self.memory is None and self.nodes is None:
+            return None
+        from raycheckpoint.protocol import memory, nodes
+
+        where = memory.rank_nodes(groups, timeout_s, warn=self.memory is not None)
+        if self.nodes is not None:
+            nodes.ensure_on_nodes(nodes.NodeDirAgent, "nodes", self.nodes.open().root,
+                                  [n for ns in where.values() for n in ns],
+                                  self.nodes.options["local_dir"], timeout_s=timeout_s)
+        return where
+
+    def end_actors(self) -> None:
+        """End the memory tier's holders and the per-node agents (a job's clean end)."""
+        from raycheckpoint.protocol import nodes
+
+        for spec, kind in ((self.memory, "memory"), (self.nodes, "nodes")):
+            if spec is not None:
+                nodes.release(spec.open().root, kind)
 
     def lease_id(self, tier: str) -> str | None:
         lease = self.leases.get(tier)
@@ -51,8 +84,9 @@ class JobRoots:
             lease.release()
 
     def write_probe(self) -> str | None:
-        """Write the file every rank must see in the local tier (None: not tiered)."""
-        if self.local is None:
+        """Write the file every rank must see in the local tier (None: not tiered, or
+        per-node directories)."""
+        if self.local is None or self.nodes is not None:
             return None
         probe = PROBE_PREFIX + uuid.uuid4().hex[:12]
         self.local.open().write_pointer(probe, b"raycheckpoint: every rank must see this file")
@@ -69,8 +103,8 @@ class JobRoots:
                 f"checkpoint.local_dir={self.local.uri} is not one directory every rank sees: "
                 f"{', '.join(blind)} cannot see what the driver wrote there (a disk of its own "
                 "node).  The local tier must be this machine's disk on a one-node job, or a "
-                "filesystem every node mounts; per-node local directories are not supported "
-                "in this release")
+                "filesystem every node mounts; for a disk of each node's own, set "
+                "checkpoint.local_dir_per_node=true")
 
 
 def open_roots(config: CheckpointConfig, cipher: Any) -> JobRoots:
@@ -82,12 +116,17 @@ def open_roots(config: CheckpointConfig, cipher: Any) -> JobRoots:
     roots = JobRoots(durable=spec(config.save_dir, dict(config.storage_options)))
     if config.local_dir is not None:
         roots.local = spec(config.local_dir, {})
-    if config.memory_replicas:  # named after the durable root; its holders start on first use
-        from raycheckpoint.protocol.memory import tier_id, tier_uri
+    if config.memory_replicas or config.local_dir_per_node:
+        # named after the durable root; their actors start with the job (JobRoots.place)
+        from raycheckpoint.protocol import memory, nodes
 
-        roots.memory = spec(tier_uri(tier_id(roots.durable.open().url())), {})
+        tid = memory.tier_id(roots.durable.open().url())
+        if config.memory_replicas:
+            roots.memory = spec(memory.tier_uri(tid), {})
+        if config.local_dir_per_node:
+            roots.nodes = spec(nodes.tier_uri(tid), {"local_dir": config.local_dir})
     for tier, s in (("durable", roots.durable), ("local", roots.local)):
-        if s is None:
+        if s is None or (tier == "local" and roots.nodes is not None):
             continue
         storage = s.open()
         if not storage.caps.shared:

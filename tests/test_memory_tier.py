@@ -129,3 +129,41 @@ def _wait(cond, timeout_s: float = 30.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.2)
+
+
+def test_per_node_local_directories_commit_on_every_node_and_resume(group2, tmp_path):
+    """``local_dir_per_node``: the ranks write on their node's own directory and the
+    coordinator commits there through the node's agent (on one node here: one directory)."""
+    root, template = str(tmp_path / "durable"), str(tmp_path / "nvme" / "{node_id}")
+    cfg = {"local_dir": template, "local_dir_per_node": True, "replicate_every": 2,
+           "keep_last_n_local": 2, "keep_last_n": 3}
+    node = ray.get_runtime_context().get_node_id()
+    disk = Storage(template.replace("{node_id}", node))
+    m = manager(root, {"actor": group2}, config=cfg)
+    states = {}
+    try:
+        for step in (1, 2, 3):
+            train(group2, [step])
+            m.update(step=step)
+            m.save_checkpoint().wait(RPC_TIMEOUT)
+            states[step] = full_state(group2)
+        assert ray.get(m.coordinator.wait_replication.remote(60), timeout=RPC_TIMEOUT)
+        m.wait_for_cleanup(RPC_TIMEOUT)
+        agents = live_holders(m.roots.nodes.open().root, "nodes")
+        assert len(agents) == 1
+    finally:
+        m.close(60, release_memory=False)
+    # the node's own directory is a whole root: shards, manifest, marker, LATEST, catalog
+    assert [c.name for c in catalog.scan(disk)[0]] == ["step_00000002", "step_00000003"]
+    assert catalog.read_latest(disk) == "step_00000003"
+    assert admin.verify(disk.full_path("step_00000003"))["ok"]
+    assert [c.name for c in catalog.scan(Storage(root))[0]] == ["step_00000002"]
+    train(group2, [99])
+    m = manager(root, {"actor": group2}, config=cfg)
+    try:
+        loaded = m.load_checkpoint("auto")
+        assert (loaded.name, loaded.tier) == ("step_00000003", "local tier")
+        assert_same(full_state(group2), states[3])
+    finally:
+        m.close(60)
+    assert live_holders(m.roots.nodes.open().root, "nodes") == []

@@ -228,7 +228,7 @@ def test_a_local_dir_some_rank_cannot_see_is_refused(tmp_path):
                      local=StorageSpec(str(tmp_path / "nvme")))
     probe = roots.write_probe()
     assert Storage(str(tmp_path / "nvme")).exists(probe)
-    with pytest.raises(ValueError, match=r"actor/1 cannot see .* per-node local directories"):
+    with pytest.raises(ValueError, match=r"actor/1 cannot see .*checkpoint\.local_dir_per_node=true"):
         roots.check_visible(probe, [("actor/0", True), ("actor/1", False)])
     assert not Storage(str(tmp_path / "nvme")).exists(probe)
     assert JobRoots(durable=StorageSpec(str(tmp_path))).write_probe() is None
@@ -352,7 +352,8 @@ def test_a_lost_node_and_its_disk_resume_from_memory_then_s3_on_a_replacement(tm
     out = json.loads(lines[-1])
     assert out["rank_nodes"] == 2, out  # one rank on each worker node
     assert out["durable_before"] == ["step_00000002", "step_00000004"], out
-    assert out["local_before"] == ["step_00000004", "step_00000005"], out
+    assert out["local_before"] == [["step_00000004", "step_00000005"]] * 2, out
+    assert out["shards_step5"] == [["__0_0.distcp"], ["__1_0.distcp"]], out
     assert out["memory_before"] == ["step_00000005"] and out["holders_before"] == 2, out
     # step 5 was on the lost disk and node, and in the other node's memory
     assert (out["memory"]["name"], out["memory"]["tier"]) == ("step_00000005", "memory tier"), out

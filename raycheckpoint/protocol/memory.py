@@ -17,9 +17,10 @@ committed full checkpoint of the local tier is copied into the memory of
   a newer one queued while a copy runs replaces any older one still waiting.
 
 Holders are detached named actors (``memory-<tier>-<node>`` in the ``raycheckpoint``
-namespace): they outlive the worker groups, the coordinator and the driver, so a job
-restarted after losing a node finds them.  A holder whose node died is re-created on the
-next copy to a node that runs ranks; :func:`release` ends them all (a job's clean end).
+namespace, :mod:`~raycheckpoint.protocol.nodes`): they outlive the worker groups, the
+coordinator and the driver, so a job restarted after losing a node finds them.  A holder
+whose node died is re-created on the next copy to a node that runs ranks; :func:`release`
+ends them all (a job's clean end).
 Resume reads a checkpoint of the memory tier only when every file is held by a live
 holder, and every byte is verified against the manifest as it is read: a replica whose
 checksum does not match is passed over for the local or durable copy.
@@ -40,11 +41,13 @@ from raycheckpoint.integrity.verify import verify_bytes
 from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.commit import mark_committed
 from raycheckpoint.protocol.format import Manifest
+from raycheckpoint.protocol.nodes import ensure_on_nodes
+from raycheckpoint.protocol.nodes import release as release_actors
 from raycheckpoint.protocol.paths import CheckpointPaths
 from raycheckpoint.protocol.replicate import TargetMismatchError
 from raycheckpoint.protocol.root import RootState
 from raycheckpoint.storage import FileEntry, Storage
-from raycheckpoint.storage.raymem import NAMESPACE, PROTOCOL, holder_prefix, live_holders
+from raycheckpoint.storage.raymem import PROTOCOL
 
 logger = logging.getLogger(__name__)
 
@@ -105,50 +108,20 @@ class ReplicaHolder:
                     "bytes": sum(d.nbytes for d in self._files.values())}
 
 
-def holder_name(tier: str, node_id: str) -> str:
-    return holder_prefix(tier) + node_id[:16]
-
-
 def ensure_holders(tier: str, nodes: list[str], timeout_s: float = 60.0) -> dict[str, Any]:
-    """A live holder on each of ``nodes`` (node id -> handle), created where missing."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    out = {}
-    for node in sorted(set(nodes)):
-        if node not in alive:
-            raise OSError(f"node {node[:12]} is not alive: no replica holder can run there")
-        name = holder_name(tier, node)
-        try:
-            out[node] = ray.get_actor(name, namespace=NAMESPACE)
-            continue
-        except ValueError:
-            pass
-        try:
-            out[node] = ray.remote(ReplicaHolder).options(
-                name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-                max_concurrency=8, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(tier, node)
-            logger.info("started memory replica holder %s on node %s", name, node[:12])
-        except ValueError:  # created by another process meanwhile
-            out[node] = ray.get_actor(name, namespace=NAMESPACE)
-    ray.get([h.where.remote() for h in out.values()], timeout=timeout_s)  # started
-    return out
+    """A live holder on each of ``nodes`` (node id -> handle), started where missing."""
+    return ensure_on_nodes(ReplicaHolder, "memory", tier, nodes, timeout_s=timeout_s)
 
 
 def release(tier: str) -> int:
     """End every holder of ``tier`` (their memory is freed); how many there were."""
-    import ray
-
-    holders = live_holders(tier)
-    for h in holders:
-        ray.kill(h)
-    return len(holders)
+    return release_actors(tier, "memory")
 
 
-def rank_nodes(groups: dict[str, list[Any]], timeout_s: float) -> dict[str, list[str]]:
-    """role -> the node id of each rank of ``groups`` (role -> worker actors by rank)."""
+def rank_nodes(groups: dict[str, list[Any]], timeout_s: float, *,
+               warn: bool = True) -> dict[str, list[str]]:
+    """role -> the node id of each rank of ``groups`` (role -> worker actors by rank);
+    ``warn``: when they all run on one node (no other node for a memory replica)."""
     import ray
 
     from raycheckpoint._internal.rpc import get
@@ -156,7 +129,7 @@ def rank_nodes(groups: dict[str, list[Any]], timeout_s: float) -> dict[str, list
     ranks = [(role, w) for role, ws in groups.items() for w in ws]
     nodes = get([w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
                  for _, w in ranks], timeout_s)
-    if len(set(nodes)) < 2:
+    if warn and len(set(nodes)) < 2:
         warnings.warn("checkpoint.memory_replicas: every rank runs on one node, so the memory "
                       "tier has no other node to keep replicas on: it survives a worker crash, "
                       "not the loss of the node", RuntimeWarning, stacklevel=3)

@@ -183,7 +183,9 @@ class Replicator:
                     result["cleanup"] = self.collector.clean_up_after(name)
                 self.last_error, pause = None, self._retry_s[0]
                 self._done(name, result, None)
-            except IntegrityError as e:  # the source copy is bad: no retry makes it good
+            except (IntegrityError, FileNotFoundError) as e:
+                # the source copy is bad or incomplete (a file went with a lost node's disk):
+                # no retry makes it good
                 self.last_error = f"{type(e).__name__}: {e}"
                 logger.error("replication of %s dropped: %s", name, self.last_error)
                 self._done(name, None, self.last_error)

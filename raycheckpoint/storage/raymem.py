@@ -1,4 +1,5 @@
-"""The memory tier as a root: ``rcmem://<tier>``, files held by replica-holder actors.
+"""Tiers served by actors as roots: ``rcmem://<tier>`` (the memory tier's replica holders)
+and ``rcnode://<tier>`` (per-node local directories, each served by its node's agent).
 
 A tiered job with ``checkpoint.memory_replicas`` keeps its newest checkpoint in the host
 memory of :class:`~raycheckpoint.protocol.memory.ReplicaHolder` actors, one per node
@@ -19,11 +20,19 @@ reads, verifies and loads a checkpoint of the memory tier exactly as one on disk
 It needs a Ray connection (the driver's, a worker's or the coordinator's).  Shard files
 are not written through here: the memory tier's replication puts each rank's files in
 the holders its placement picks, verified by checksum as they arrive.
+
+``rcnode://<tier>`` (:class:`RayNodesFileSystem`) is the same union over the agents
+``nodes-<tier>-*`` (:class:`~raycheckpoint.protocol.nodes.NodeDirAgent`), each serving its
+node's local directory (``checkpoint.local_dir_per_node``): the ranks write their shards
+on their own node's disk, the coordinator's metadata reaches every node's directory, and
+a read is served from this node's own directory when the file is there (option
+``local_dir``: the directory template), else by the agent of a node that has it.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import posixpath
 import time
 from typing import Any
@@ -34,20 +43,22 @@ from raycheckpoint.storage.base import Storage
 from raycheckpoint.storage.spec import Capabilities
 
 PROTOCOL = "rcmem"
+NODES_PROTOCOL = "rcnode"
 HOLDERS_TTL_S = 1.0  # how long a lookup of the live holders is reused
 NAMESPACE = "raycheckpoint"  # where the holders are named (the coordinators' namespace)
 
 
-def holder_prefix(tier: str) -> str:
-    """The name prefix of tier ``tier``'s holder actors."""
-    return f"memory-{tier}-"
+def holder_prefix(tier: str, kind: str = "memory") -> str:
+    """The name prefix of tier ``tier``'s actors (``memory`` holders or ``nodes`` agents)."""
+    return f"{kind}-{tier}-"
 
 
-def live_holders(tier: str) -> list[Any]:
-    """Handles of the live holders of ``tier``, in name order."""
+def live_holders(tier: str, kind: str = "memory") -> list[Any]:
+    """Handles of the live actors of ``tier`` (``kind``: see :func:`holder_prefix`), in name
+    order."""
     import ray
 
-    prefix = holder_prefix(tier)
+    prefix = holder_prefix(tier, kind)
     names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                    if a.get("namespace") == NAMESPACE and a["name"].startswith(prefix))
     out = []
@@ -122,35 +133,42 @@ class RayMemoryFileSystem(AbstractFileSystem):
     """The files of one memory tier's holders (see the module doc)."""
 
     protocol = PROTOCOL
+    kind = "memory"
     cachable = False  # a fresh view of which holders live on every open
 
-    def __init__(self, timeout_s: float = 120.0, **kwargs: Any) -> None:
+    def __init__(self, timeout_s: float = 120.0, local_dir: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.timeout_s = timeout_s
+        self.local_dir = local_dir  # rcnode: this node's directory (a template)
         self._found: tuple[float, str, list[Any]] | None = None  # (when, tier, handles)
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
-        path = path[len(PROTOCOL) + 3:] if path.startswith(PROTOCOL + "://") else path
+        prefix = cls.protocol + "://"
+        path = path[len(prefix):] if path.startswith(prefix) else path
         return path.strip("/")
 
     # ---- the holders ------------------------------------------------------------------------
 
-    def _holders(self, path: str) -> list[Any]:
-        """The live holders of ``path``'s tier, looked up again after HOLDERS_TTL_S (a call
-        to a holder that died since is skipped where it is made)."""
+    def _holders(self, path: str, *, fresh: bool = False) -> list[Any]:
+        """The live holders of ``path``'s tier.  A read reuses a lookup for HOLDERS_TTL_S
+        (a call to a holder that died since is skipped where it is made); a write, a
+        delete, and a read that found nothing look again (a holder started meanwhile)."""
         tier, now = path.split("/", 1)[0], time.monotonic()
-        if self._found is None or self._found[1] != tier or now - self._found[0] > HOLDERS_TTL_S:
-            self._found = (now, tier, live_holders(tier))
-        return self._found[2]
+        found = self._found
+        if (fresh or found is None or found[1] != tier or not found[2]
+                or now - found[0] > HOLDERS_TTL_S):
+            found = self._found = (now, tier, live_holders(tier, self.kind))
+        return found[2]
 
-    def _each(self, path: str, call: Any) -> list[Any]:
+    def _each(self, path: str, call: Any, *, fresh: bool = False) -> list[Any]:
         """``call(holder)`` (an ObjectRef) on every live holder of ``path``'s tier; the
         answers of those that answered (a holder dying meanwhile is skipped)."""
         import ray
 
         out = []
-        for h in self._holders(path):
+        for h in self._holders(path, fresh=fresh):
             try:
                 out.append(ray.get(call(h), timeout=self.timeout_s))
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
@@ -209,14 +227,34 @@ class RayMemoryFileSystem(AbstractFileSystem):
         """``path``'s bytes from the first live holder that has it: a read-only buffer."""
         import ray
 
-        for h in self._holders(path):
-            try:
-                data = ray.get(h.get.remote(path, start, end), timeout=self.timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                continue
-            if data is not None:
-                return data
-        raise FileNotFoundError(path)
+        mine = self._on_this_node(path)
+        if mine is not None:
+            return mine if start is None and end is None else mine[start:end]
+        for fresh in (False, True):
+            holders = self._holders(path, fresh=fresh)
+            for h in holders:
+                try:
+                    data = ray.get(h.get.remote(path, start, end), timeout=self.timeout_s)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                    continue
+                if data is not None:
+                    return data
+        raise FileNotFoundError(f"{self.protocol}://{path}: none of the {len(holders)} live "
+                                f"{self.kind} actors has it")
+
+    def _on_this_node(self, path: str) -> bytes | None:
+        """``path`` read from this node's own directory, where this kind has one and the
+        file is there; else None."""
+        if self.local_dir is None:
+            return None
+        from raycheckpoint.storage.spec import for_this_node
+
+        full = os.path.join(for_this_node(self.local_dir), path.split("/", 1)[1])
+        try:
+            with open(full, "rb") as f:
+                return f.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         path = self._strip_protocol(path)
@@ -226,17 +264,17 @@ class RayMemoryFileSystem(AbstractFileSystem):
 
     def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
         path = self._strip_protocol(path)
-        if not self._each(path, lambda h: h.put.remote(path, value)):
+        if not self._each(path, lambda h: h.put.remote(path, value), fresh=True):
             raise OSError(f"{PROTOCOL}://{path}: no live replica holder to write to")
 
     def rm_file(self, path: str) -> None:
         path = self._strip_protocol(path)
-        self._each(path, lambda h: h.delete.remote(path, False))
+        self._each(path, lambda h: h.delete.remote(path, False), fresh=True)
 
     def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
         for p in [path] if isinstance(path, str) else path:
             p = self._strip_protocol(p)
-            self._each(p, lambda h, p=p: h.delete.remote(p, recursive))
+            self._each(p, lambda h, p=p: h.delete.remote(p, recursive), fresh=True)
 
     def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
         """Nothing: directories are the prefixes of the held files."""
@@ -251,17 +289,25 @@ class RayMemoryFileSystem(AbstractFileSystem):
         raise NotImplementedError("the memory tier records no modification times")
 
 
+class RayNodesFileSystem(RayMemoryFileSystem):
+    """The files of the per-node local directories of one tier (see the module doc)."""
+
+    protocol = NODES_PROTOCOL
+    kind = "nodes"
+
+
 class RayMemoryStorage(Storage):
-    """A memory tier's root (``rcmem://<tier>``): shared by every process of the Ray job
-    that can reach its holders."""
+    """A root served by actors (``rcmem://<tier>``, ``rcnode://<tier>``): shared by every
+    process of the Ray job that can reach them."""
 
     caps = Capabilities(shared=True)
 
     def url(self, rel: str = "") -> str:
-        return f"{PROTOCOL}://{posixpath.join(self.root, rel) if rel else self.root}"
+        return f"{self.protocol}://{posixpath.join(self.root, rel) if rel else self.root}"
 
     def _open_size(self, rel: str, f: Any) -> int:
         return f.size  # the bytes are here already: no listing of every holder
 
 
 register_implementation(PROTOCOL, RayMemoryFileSystem, clobber=True)
+register_implementation(NODES_PROTOCOL, RayNodesFileSystem, clobber=True)

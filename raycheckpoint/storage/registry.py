@@ -26,6 +26,7 @@ BACKENDS: dict[str, str] = {
     "s3a": "raycheckpoint.storage.s3:S3Storage",
     "memory": "raycheckpoint.storage.memory:MemoryStorage",
     "rcmem": "raycheckpoint.storage.raymem:RayMemoryStorage",
+    "rcnode": "raycheckpoint.storage.raymem:RayMemoryStorage",
 }
 
 

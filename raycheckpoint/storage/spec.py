@@ -57,12 +57,25 @@ class StorageSpec:
     def open(self) -> Storage:
         from raycheckpoint.storage.base import Storage
 
-        return Storage(self.uri, self.options, retries=self.retries, cipher=self.cipher,
-                       checksum=self.checksum, direct_io=self.direct_io)
+        return Storage(for_this_node(self.uri), self.options, retries=self.retries,
+                       cipher=self.cipher, checksum=self.checksum, direct_io=self.direct_io)
 
     def child(self, name: str) -> StorageSpec:
         return StorageSpec(self.uri.rstrip("/") + "/" + name, self.options, self.retries,
                            self.cipher, self.checksum, self.direct_io)
+
+
+NODE_ID = "{node_id}"  # in a local directory: the Ray node id of the process opening it
+
+
+def for_this_node(uri: str) -> str:
+    """``uri`` with :data:`NODE_ID` replaced by this process's Ray node id (a directory of
+    each node's own, also where every node mounts one filesystem)."""
+    if NODE_ID not in uri:
+        return uri
+    import ray
+
+    return uri.replace(NODE_ID, ray.get_runtime_context().get_node_id())
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,16 @@
 On a three-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: a head and
 two worker nodes), a two-rank FSDP2 group runs one rank per worker node and saves
 tiered: the memory tier (``memory_replicas=1``: each rank's files on its node and on the
-other one), the local tier in TEMP_DIR/nvme, the durable tier on the S3 server, every
-second checkpoint replicated.  After step 5 (memory and local only; step 4 is durable)
-the node of rank 1 is removed without a graceful stop (every Ray process of it
-SIGKILLed, its replica holder with it) and the local directory deleted, as a lost node's
-disk is.  A replacement node joins, a new group and manager start, and ``auto`` resumes:
-step 5, from the surviving holder's memory.  Then the replicas are lost too (the holders
-ended) and ``auto`` resumes step 4 from the durable tier.  Prints one JSON line: per
-phase the tier and step resumed from, whether the state equals the one saved then, and
-the recovery time.
+other one), the local tier in each node's own directory (TEMP_DIR/nvme/<node id>,
+``local_dir_per_node``), the durable tier on the S3 server, every second checkpoint
+replicated.  After step 5 (memory and local only; step 4 is durable) the node of rank 1
+is removed without a graceful stop (every Ray process of it SIGKILLed, its replica
+holder and its directory's agent with it) and its local directory deleted, as a lost
+node's disk is.  A replacement node joins, a new group and manager start, and ``auto``
+resumes step 5 from the surviving holder's memory.  Then the replicas are lost too (the
+holders ended): the local tier lacks rank 1's files of steps 4 and 5, and ``auto``
+resumes step 4 from the durable tier.  Prints one JSON line: per phase the tier and
+step resumed from, whether the state equals the one saved then, and the recovery time.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ray.cluster_utils import Cluster
 from raycheckpoint import CheckpointConfig, CheckpointManager
 from raycheckpoint.protocol import catalog, memory
 from raycheckpoint.storage import Storage
+from raycheckpoint.storage.raymem import live_holders
 from tests.helpers import assert_same
 from workers import FSDPTrainWorker, create_worker_group
 from workers.group import place_ranks
@@ -65,10 +67,11 @@ def resume(m: CheckpointManager, group: list, saved: dict, t0: float) -> dict:
 
 def main(temp: str, endpoint: str, key: str, secret: str) -> int:
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    local = os.path.join(temp, "nvme")
+    local = os.path.join(temp, "nvme", "{node_id}")
     root = f"s3://ckpt/node-loss-{uuid.uuid4().hex[:8]}"
     options = {"endpoint_url": endpoint, "key": key, "secret": secret}
     cfg = CheckpointConfig(save_dir=root, storage_options=options, local_dir=local,
+                           local_dir_per_node=True,
                            replicate_every=2, keep_last_n_local=2, memory_replicas=1,
                            publish_metrics=False,
                            commit_timeout_s=60, rpc_timeout_s=TIMEOUT, save_wait_timeout_s=TIMEOUT,
@@ -94,9 +97,13 @@ def main(temp: str, endpoint: str, key: str, secret: str) -> int:
                 assert ray.get(m.coordinator.wait_replication.remote(60), timeout=TIMEOUT)
         out["memory_before"] = m.replication()["memory"]["held"]
         tier = m.roots.memory.open().root
-        out["holders_before"] = len(memory.live_holders(tier))
+        out["holders_before"] = len(live_holders(tier))
         out["durable_before"] = sorted(x.name for x in catalog.scan(Storage(root, options))[0])
-        out["local_before"] = sorted(x.name for x in catalog.scan(Storage(local))[0])
+        disks = [Storage(local.replace("{node_id}", n)) for n in where]
+        out["local_before"] = [sorted(x.name for x in catalog.scan(d)[0]) for d in disks]
+        # each node's directory: its own rank's shard of step 5, and all of the metadata
+        out["shards_step5"] = [sorted(p.rsplit("/", 1)[1] for p in d.list_files("step_00000005")
+                                      if p.endswith(".distcp")) for d in disks]
         # the node of rank 1 is lost: every Ray process of it SIGKILLed, its disk gone
         doomed = next(n for n in nodes if n.node_id == where[1])
         cluster.remove_node(doomed, allow_graceful=False)
@@ -105,7 +112,7 @@ def main(temp: str, endpoint: str, key: str, secret: str) -> int:
             if time.monotonic() > deadline:
                 raise TimeoutError("the removed node is still alive to the cluster after 60 s")
             time.sleep(0.5)
-        shutil.rmtree(local)
+        shutil.rmtree(local.replace("{node_id}", where[1]))
         try:
             m.close(10, release_memory=False)
         except Exception:  # noqa: BLE001 - its rank is dead: the old job cannot close cleanly
