@@ -151,6 +151,8 @@ def test_per_node_local_directories_commit_on_every_node_and_resume(group2, tmp_
         m.wait_for_cleanup(RPC_TIMEOUT)
         agents = live_holders(m.roots.nodes.open().root, "nodes")
         assert len(agents) == 1
+        last = m.replication()["last"]  # the node's agent uploaded every file of step 2
+        assert last["name"] == "step_00000002" and last["uploaded_at_source"] == last["files"]
     finally:
         m.close(60, release_memory=False)
     # the node's own directory is a whole root: shards, manifest, marker, LATEST, catalog

@@ -354,6 +354,7 @@ def test_a_lost_node_and_its_disk_resume_from_memory_then_s3_on_a_replacement(tm
     assert out["durable_before"] == ["step_00000002", "step_00000004"], out
     assert out["local_before"] == [["step_00000004", "step_00000005"]] * 2, out
     assert out["shards_step5"] == [["__0_0.distcp"], ["__1_0.distcp"]], out
+    assert out["uploaded_by_nodes"], out  # each node's agent copied its own files to S3
     assert out["memory_before"] == ["step_00000005"] and out["holders_before"] == 2, out
     # step 5 was on the lost disk and node, and in the other node's memory
     assert (out["memory"]["name"], out["memory"]["tier"]) == ("step_00000005", "memory tier"), out

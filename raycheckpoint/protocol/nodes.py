@@ -25,7 +25,7 @@ import os
 from typing import Any
 
 from raycheckpoint.integrity.verify import verify_bytes
-from raycheckpoint.storage import FileEntry, Storage
+from raycheckpoint.storage import FileEntry, Storage, StorageSpec
 from raycheckpoint.storage.raymem import NAMESPACE, NODES_PROTOCOL, holder_prefix, live_holders
 from raycheckpoint.storage.spec import NODE_ID
 
@@ -110,6 +110,27 @@ class NodeDirAgent:
         if os.path.isfile(full):
             return {prefix: os.path.getsize(full)}
         return {f"{self.tier}/{p}": size for p, size in self.storage.list_files(rel).items()}
+
+    def has(self, rels: list[str]) -> list[str]:
+        """Which of ``rels`` (paths relative to the directory) this node holds."""
+        return [r for r in rels if os.path.isfile(os.path.join(self.dir, r))]
+
+    def upload(self, files: dict[str, dict[str, Any]], target: StorageSpec) -> list[str]:
+        """Copy ``files`` (relative path -> manifest entry) from this node's directory to
+        ``target``, then read them back there against their entries."""
+        from raycheckpoint.errors import IntegrityError
+        from raycheckpoint.integrity.verify import verify_files
+        from raycheckpoint.protocol.replicate import TargetMismatchError, copy_file
+
+        entries = {p: FileEntry.from_dict(e) for p, e in files.items()}
+        out = target.open()
+        for rel, entry in sorted(entries.items()):
+            copy_file(self.storage, out, rel, entry)
+        try:
+            verify_files(out, entries)
+        except IntegrityError as e:  # the source matched as it was read: the copy went wrong
+            raise TargetMismatchError(f"{out.url()}: read back, {e}") from e
+        return sorted(entries)
 
     def delete(self, path: str, recursive: bool = False) -> int:
         rel = self._rel(path)

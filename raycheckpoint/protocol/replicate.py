@@ -64,16 +64,22 @@ def replicate(source: Storage, target: RootState, name: str) -> dict[str, Any]:
                 "s": time.perf_counter() - t0, "already": True}
     if target.storage.list_dir(name):  # the leftover of a copy cut short
         target.delete_step(name, target.referenced(target.markers))
-    copied = 0
-    for path, entry in sorted(manifest.files.items()):
-        if not paths.holds(path) and _holds(target.storage, path, entry):
-            continue  # bytes an earlier checkpoint's copy brought (deduplicated frozen role)
+    todo = {path: entry for path, entry in sorted(manifest.files.items())
+            # not the bytes an earlier checkpoint's copy brought (deduplicated frozen role)
+            if paths.holds(path) or not _holds(target.storage, path, entry)}
+    # where the source's own servers copy (per-node directories: each node its files),
+    # they also read them back; the rest is copied and read back here
+    uploaded = source.upload(todo, target.storage.spec)
+    copied = sum(todo[p].size for p in uploaded)
+    for path, entry in todo.items():
+        if path in uploaded:
+            continue
         faults.check("replicate.file", path=path)
         copy_file(source, target.storage, path, entry)
         copied += entry.size
     faults.check("replicate.verify", path=name)
-    try:
-        verify_files(target.storage, manifest.files)  # read back: what the target holds
+    try:  # read back: what the target holds
+        verify_files(target.storage, {p: e for p, e in manifest.files.items() if p not in uploaded})
     except IntegrityError as e:  # the source matched as it was read: the copy went wrong
         raise TargetMismatchError(f"{target.storage.url(name)}: read back, {e}") from e
     m_entry = target.storage.write_bytes(paths.manifest, manifest_bytes, checksum="sha256")
@@ -83,7 +89,7 @@ def replicate(source: Storage, target: RootState, name: str) -> dict[str, Any]:
     faults.check("replicate.before_marker", path=name)
     mark_committed(target, marker, manifest, point="replicate")
     return {"name": name, "bytes": marker.bytes, "files": len(manifest.files), "copied": copied,
-            "s": time.perf_counter() - t0}
+            "uploaded_at_source": len(uploaded), "s": time.perf_counter() - t0}
 
 
 class TargetMismatchError(OSError):

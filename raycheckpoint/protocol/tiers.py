@@ -180,6 +180,7 @@ class DurableTier:
     def status(self) -> dict[str, Any]:
         return {"pending": self.replicator.pending(), "last_error": self.replicator.last_error,
                 "replicated": sorted(self.replicator.results),
+                "last": next(reversed(self.replicator.results.values()), None),
                 "durable": [m.name for m in self.root.sorted_markers()]}
 
     def _done(self, name: str, result: dict[str, Any] | None, error: str | None) -> None:

@@ -338,6 +338,12 @@ class Storage:
                 newest = t if newest is None else max(newest, float(t))
         return newest
 
+    def upload(self, files: dict[str, FileEntry], target: StorageSpec) -> set[str]:
+        """Copy ``files`` (path -> manifest entry) to ``target`` where this backend's own
+        servers can (each from where it lies), and read them back there against their
+        entries; the paths so copied.  Here none: the caller copies."""
+        return set()
+
     # ---- deletes ------------------------------------------------------------------------
 
     def delete(self, rel: str) -> None:

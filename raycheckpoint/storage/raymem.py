@@ -40,11 +40,12 @@ from typing import Any
 from fsspec import AbstractFileSystem, register_implementation
 
 from raycheckpoint.storage.base import Storage
-from raycheckpoint.storage.spec import Capabilities
+from raycheckpoint.storage.spec import Capabilities, FileEntry, StorageSpec
 
 PROTOCOL = "rcmem"
 NODES_PROTOCOL = "rcnode"
 HOLDERS_TTL_S = 1.0  # how long a lookup of the live holders is reused
+UPLOAD_TIMEOUT_S = 3600.0  # the nodes' uploads of one checkpoint (a failure is retried)
 NAMESPACE = "raycheckpoint"  # where the holders are named (the coordinators' namespace)
 
 
@@ -294,6 +295,7 @@ class RayNodesFileSystem(RayMemoryFileSystem):
 
     protocol = NODES_PROTOCOL
     kind = "nodes"
+    uploads = True  # each node's agent copies its own files out (Storage.upload)
 
 
 class RayMemoryStorage(Storage):
@@ -307,6 +309,25 @@ class RayMemoryStorage(Storage):
 
     def _open_size(self, rel: str, f: Any) -> int:
         return f.size  # the bytes are here already: no listing of every holder
+
+    def upload(self, files: dict[str, FileEntry], target: StorageSpec) -> set[str]:
+        """Per-node directories: each node's agent copies the files it holds (a file on
+        several nodes, such as the metadata, by one of them), all nodes at once, and reads
+        them back from ``target``."""
+        if not getattr(self.fs, "uploads", False) or not files:
+            return set()
+        import ray
+
+        agents = self.fs._holders(self.root, fresh=True)
+        held = ray.get([a.has.remote(sorted(files)) for a in agents], timeout=self.fs.timeout_s)
+        work: list[dict[str, dict[str, Any]]] = [{} for _ in agents]
+        for path in files:
+            i = next((i for i, h in enumerate(held) if path in h), None)
+            if i is not None:  # none: the caller copies it (and finds it missing)
+                work[i][path] = files[path].to_dict()
+        done = ray.get([a.upload.remote(w, target) for a, w in zip(agents, work, strict=True) if w],
+                       timeout=UPLOAD_TIMEOUT_S)
+        return {p for paths in done for p in paths}
 
 
 register_implementation(PROTOCOL, RayMemoryFileSystem, clobber=True)

@@ -95,7 +95,9 @@ def main(temp: str, endpoint: str, key: str, secret: str) -> int:
             if step >= 4:
                 saved[step] = ray.get([w.full_state.remote() for w in group], timeout=TIMEOUT)
                 assert ray.get(m.coordinator.wait_replication.remote(60), timeout=TIMEOUT)
-        out["memory_before"] = m.replication()["memory"]["held"]
+        status = m.replication()
+        out["memory_before"] = status["memory"]["held"]
+        out["uploaded_by_nodes"] = status["last"]["uploaded_at_source"] == status["last"]["files"]
         tier = m.roots.memory.open().root
         out["holders_before"] = len(live_holders(tier))
         out["durable_before"] = sorted(x.name for x in catalog.scan(Storage(root, options))[0])
