@@ -29,6 +29,17 @@ def config(local: str) -> dict:
             "keep_last_n_local": 2}
 
 
+def save_steps(m, group, steps) -> dict:
+    """Train and save each of ``steps``; the state after each."""
+    states = {}
+    for step in steps:
+        train(group, [step])
+        m.update(step=step)
+        m.save_checkpoint().wait(RPC_TIMEOUT)
+        states[step] = full_state(group)
+    return states
+
+
 def held(tier: str) -> dict[str, int]:
     return {p: s for h in live_holders(tier)
             for p, s in ray.get(h.listing.remote(), timeout=RPC_TIMEOUT).items()}
@@ -39,13 +50,8 @@ def test_resume_reads_memory_first_and_passes_over_a_bad_or_lost_replica(group2,
     with pytest.warns(RuntimeWarning, match="no other node"):
         m = manager(root, {"actor": group2}, config=config(local))
     tier = tier_id(Storage(root).url())
-    states = {}
     try:
-        for step in (1, 2, 3):
-            train(group2, [step])
-            m.update(step=step)
-            m.save_checkpoint().wait(RPC_TIMEOUT)
-            states[step] = full_state(group2)
+        states = save_steps(m, group2, (1, 2, 3))
         assert ray.get(m.coordinator.wait_replication.remote(60), timeout=RPC_TIMEOUT)
         status = m.replication()["memory"]
         assert status["held"] == ["step_00000003"] and status["last_error"] is None, status
@@ -140,13 +146,8 @@ def test_per_node_local_directories_commit_on_every_node_and_resume(group2, tmp_
     node = ray.get_runtime_context().get_node_id()
     disk = Storage(template.replace("{node_id}", node))
     m = manager(root, {"actor": group2}, config=cfg)
-    states = {}
     try:
-        for step in (1, 2, 3):
-            train(group2, [step])
-            m.update(step=step)
-            m.save_checkpoint().wait(RPC_TIMEOUT)
-            states[step] = full_state(group2)
+        states = save_steps(m, group2, (1, 2, 3))
         assert ray.get(m.coordinator.wait_replication.remote(60), timeout=RPC_TIMEOUT)
         m.wait_for_cleanup(RPC_TIMEOUT)
         agents = live_holders(m.roots.nodes.open().root, "nodes")

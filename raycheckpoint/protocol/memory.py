@@ -40,11 +40,10 @@ from raycheckpoint.errors import IntegrityError
 from raycheckpoint.integrity.verify import verify_bytes
 from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.commit import mark_committed
-from raycheckpoint.protocol.format import Manifest
 from raycheckpoint.protocol.nodes import ensure_on_nodes
 from raycheckpoint.protocol.nodes import release as release_actors
 from raycheckpoint.protocol.paths import CheckpointPaths
-from raycheckpoint.protocol.replicate import TargetMismatchError
+from raycheckpoint.protocol.replicate import TargetMismatchError, committed_source
 from raycheckpoint.protocol.root import RootState
 from raycheckpoint.storage import FileEntry, Storage
 from raycheckpoint.storage.raymem import PROTOCOL
@@ -160,15 +159,8 @@ def replicate_to_memory(source: Storage, target: RootState, name: str,
     import ray
 
     t0 = time.perf_counter()
-    marker = catalog.read_marker(source, name)
-    if marker is None:
-        raise FileNotFoundError(f"{name} is not committed in {source.url()}")
+    marker, manifest_bytes, manifest = committed_source(source, name)
     paths = CheckpointPaths(name)
-    manifest_bytes = source.read_bytes(paths.manifest)
-    if hashlib.sha256(manifest_bytes).hexdigest() != marker.manifest_sha256:
-        raise IntegrityError(f"{paths.manifest}: does not match its marker in {source.url()}",
-                             path=paths.manifest)
-    manifest = Manifest.from_bytes(manifest_bytes)
     tier = target.storage.root
     where = placement(rank_nodes, replicas)
     missing = sorted(set(manifest.roles) - {role for role, _ in where})

@@ -31,7 +31,7 @@ from raycheckpoint.integrity.verify import CHUNK_BYTES, verify_files
 from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.collect import Collector
 from raycheckpoint.protocol.commit import mark_committed
-from raycheckpoint.protocol.format import Manifest
+from raycheckpoint.protocol.format import Manifest, Marker
 from raycheckpoint.protocol.paths import CheckpointPaths, parse_step_dir
 from raycheckpoint.protocol.root import RootState
 from raycheckpoint.storage import FileEntry, Storage
@@ -49,16 +49,8 @@ def replicate(source: Storage, target: RootState, name: str) -> dict[str, Any]:
     target all the same.
     """
     t0 = time.perf_counter()
-    marker = catalog.read_marker(source, name)
-    if marker is None:
-        raise FileNotFoundError(f"{name} is not committed in {source.url()}")
+    marker, manifest_bytes, manifest = committed_source(source, name)
     paths = CheckpointPaths(name)
-    manifest_bytes = source.read_bytes(paths.manifest)
-    if (len(manifest_bytes) != marker.manifest_size
-            or hashlib.sha256(manifest_bytes).hexdigest() != marker.manifest_sha256):
-        raise IntegrityError(f"{paths.manifest}: does not match its marker in {source.url()}",
-                             path=paths.manifest)
-    manifest = Manifest.from_bytes(manifest_bytes)
     if catalog.read_marker(target.storage, name) is not None:
         return {"name": name, "bytes": 0, "files": len(manifest.files), "copied": 0,
                 "s": time.perf_counter() - t0, "already": True}
@@ -90,6 +82,19 @@ def replicate(source: Storage, target: RootState, name: str) -> dict[str, Any]:
     mark_committed(target, marker, manifest, point="replicate")
     return {"name": name, "bytes": marker.bytes, "files": len(manifest.files), "copied": copied,
             "uploaded_at_source": len(uploaded), "s": time.perf_counter() - t0}
+
+
+def committed_source(source: Storage, name: str) -> tuple[Marker, bytes, Manifest]:
+    """The marker, manifest bytes and manifest of ``name``, committed in ``source``, the
+    manifest checked against its marker (FileNotFoundError: not committed there)."""
+    marker = catalog.read_marker(source, name)
+    if marker is None:
+        raise FileNotFoundError(f"{name} is not committed in {source.url()}")
+    rel = CheckpointPaths(name).manifest
+    data = source.read_bytes(rel)
+    if len(data) != marker.manifest_size or hashlib.sha256(data).hexdigest() != marker.manifest_sha256:
+        raise IntegrityError(f"{rel}: does not match its marker in {source.url()}", path=rel)
+    return marker, data, Manifest.from_bytes(data)
 
 
 class TargetMismatchError(OSError):
