@@ -185,7 +185,7 @@ def test_persist_priority_is_lowered_for_the_persist_thread_only(start, lower, e
     """Relative to the thread's own nice value: a Ray worker's threads start at 15."""
     import threading
 
-    from raycheckpoint._internal.persist import lower_priority as _lower_priority
+    from raycheckpoint._internal.priority import lower_priority as _lower_priority
 
     seen = {}
 

@@ -8,12 +8,12 @@
 * :class:`PendingPersist`: the handle a saver keeps on its rank's last persist (the
   thread keeps its exception; ``wait`` re-raises it unchanged).
 
-:func:`lower_priority` puts a background thread below training.
+:func:`~raycheckpoint._internal.priority.lower_priority` puts a background thread below
+training.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,22 +35,6 @@ def describe_error(e: BaseException) -> str:
             parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
         return f"{type(e).__name__}: " + "; ".join(parts)
     return f"{type(e).__name__}: {e}"
-
-
-def lower_priority(nice: int) -> None:
-    """Lower the calling thread's priority by ``nice`` levels, to at most nice 19 (Linux:
-    a thread has its own nice value, inherited from the thread that started it).
-
-    Relative, as ``nice -n`` is: Ray starts its workers at nice 15, so an absolute value
-    under 15 would leave a persist thread level with training.
-    """
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:  # not permitted here: run at the worker's priority
-        pass
 
 
 @dataclass

@@ -56,8 +56,8 @@ from raycheckpoint._internal.persist import (
     SaveTarget,
     Snapshot,
     describe_error,
-    lower_priority,
 )
+from raycheckpoint._internal.priority import lower_priority
 from raycheckpoint._internal.staging import HostStager
 from raycheckpoint.protocol.format import pack
 from raycheckpoint.protocol.paths import CheckpointPaths

@@ -122,7 +122,7 @@ class CheckpointCoordinator:
                                policy, every=config.replicate_every or 1,
                                backlog=config.replication_backlog,
                                replicated=self._local_retention, memory=memory,
-                               memory_replicas=config.memory_replicas)
+                               memory_replicas=config.memory_replicas, nice=config.persist_nice)
             policy = RetentionPolicy(keep_last_n=config.keep_last_n_local,
                                      keep_last_n_light=config.keep_last_n_light)
         self.collector = Collector(self.root, policy, self._in_flight,

@@ -24,12 +24,15 @@ import logging
 import os
 from typing import Any
 
+from raycheckpoint._internal.priority import lower_priority
 from raycheckpoint.integrity.verify import verify_bytes
 from raycheckpoint.storage import FileEntry, Storage, StorageSpec
 from raycheckpoint.storage.raymem import NAMESPACE, NODES_PROTOCOL, holder_prefix, live_holders
 from raycheckpoint.storage.spec import NODE_ID
 
 logger = logging.getLogger(__name__)
+
+PERSIST_NICE = 10  # nice levels below Ray's workers for an agent's uploads (persist_nice's default)
 
 
 def ensure_on_nodes(cls: type, kind: str, tier: str, nodes: list[str], *args: Any,
@@ -122,6 +125,7 @@ class NodeDirAgent:
         from raycheckpoint.integrity.verify import verify_files
         from raycheckpoint.protocol.replicate import TargetMismatchError, copy_file
 
+        lower_priority(PERSIST_NICE)  # this actor thread: below the node's training
         entries = {p: FileEntry.from_dict(e) for p, e in files.items()}
         out = target.open()
         for rel, entry in sorted(entries.items()):

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raycheckpoint._internal import faults
+from raycheckpoint._internal.priority import lower_priority
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.integrity.verify import CHUNK_BYTES, verify_files
 from raycheckpoint.protocol import catalog
@@ -134,10 +135,12 @@ class Replicator:
                  lock: threading.Lock, on_done: Callable[..., None] | None = None,
                  retry_s: tuple[float, float] = (0.5, 30.0),
                  copy: Callable[[Storage, RootState, str], dict[str, Any]] | None = None,
-                 newest_only: bool = False, name: str = "raycheckpoint-replicate") -> None:
+                 newest_only: bool = False, name: str = "raycheckpoint-replicate",
+                 nice: int = 0) -> None:
         self.source = source
         self._copy = copy or replicate
         self._newest_only = newest_only  # a newer checkpoint replaces any older one waiting
+        self._nice = nice  # nice levels below the coordinator: below training on a busy host
         self.target = target
         self.collector = collector
         self._lock = lock  # the target's state is shared with whoever else writes it
@@ -177,6 +180,7 @@ class Replicator:
         return True
 
     def _run(self) -> None:
+        lower_priority(self._nice)
         pause = self._retry_s[0]
         while True:
             with self._cond:

@@ -11,7 +11,9 @@ DESIGN section 7.  The coordinator of a tiered job commits in the local tier
   newest only (:mod:`~raycheckpoint.protocol.memory`).
 
 Each tier has its own :class:`~raycheckpoint.protocol.replicate.Replicator` thread, so a
-slow or failed durable store never delays the memory copy, and neither delays a save.
+slow or failed durable store never delays the memory copy, and neither delays a save;
+the threads run ``persist_nice`` levels below the coordinator, as the workers' persist
+threads do, so that training wins the CPU on a busy host.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ class Tiers:
 
     def __init__(self, source: Storage, durable: RootState, policy: RetentionPolicy, *,
                  every: int, backlog: int, replicated: Callable[[str], None],
-                 memory: StorageSpec | None = None, memory_replicas: int = 0) -> None:
+                 memory: StorageSpec | None = None, memory_replicas: int = 0,
+                 nice: int = 0) -> None:
         self.durable = DurableTier(source, durable, policy, every=every, backlog=backlog,
-                                   replicated=replicated)
-        self.memory = (MemoryTier(source, RootState(memory.open()), memory_replicas)
+                                   replicated=replicated, nice=nice)
+        self.memory = (MemoryTier(source, RootState(memory.open()), memory_replicas, nice=nice)
                        if memory is not None and memory_replicas > 0 else None)
 
     def resume_pending(self, source_markers: list[Any]) -> list[str]:
@@ -77,7 +80,8 @@ class MemoryTier:
     """The memory tier as the coordinator sees it: its root (the holders), its copy
     thread and where the ranks run (set by the manager: :meth:`Tiers.set_rank_nodes`)."""
 
-    def __init__(self, source: Storage, target: RootState, replicas: int) -> None:
+    def __init__(self, source: Storage, target: RootState, replicas: int, *,
+                 nice: int = 0) -> None:
         self.root = target
         self.replicas = replicas
         self.rank_nodes: dict[str, list[str]] = {}
@@ -85,7 +89,7 @@ class MemoryTier:
         self.collector = Collector(target, RetentionPolicy(keep_last_n=1, keep_last_n_light=1))
         self.replicator = Replicator(source, target, self.collector, lock=self.lock,
                                      copy=self._copy, newest_only=True,
-                                     name="raycheckpoint-memory")
+                                     name="raycheckpoint-memory", nice=nice)
         self.last: dict[str, Any] | None = None
 
     def _copy(self, source: Storage, target: RootState, name: str) -> dict[str, Any]:
@@ -110,7 +114,7 @@ class DurableTier:
 
     def __init__(self, source: Storage, target: RootState, policy: RetentionPolicy, *,
                  every: int, backlog: int,
-                 replicated: Callable[[str], None] = lambda name: None) -> None:
+                 replicated: Callable[[str], None] = lambda name: None, nice: int = 0) -> None:
         self.root = target
         self.every = max(1, every)
         self.backlog = backlog
@@ -125,7 +129,7 @@ class DurableTier:
             self._best = [m.to_catalog_entry() for m in target.sorted_markers() if m.kind == "full"]
             self._best = self._best_of(self._best)
         self.replicator = Replicator(source, target, self.collector, lock=self.lock,
-                                     on_done=self._done)
+                                     on_done=self._done, nice=nice)
         self._commits = 0
         self._replicated = replicated  # the source tier may now let it go: its retention
 
