@@ -87,7 +87,7 @@ def test_resume_reads_memory_first_and_passes_over_a_bad_or_lost_replica(group2,
         # a replica whose bytes no longer match the manifest: the local copy is read
         holder = live_holders(tier)[0]
         shard = next(p for p in files if p.endswith(".distcp"))
-        bad = bytearray(ray.get(holder.get.remote(shard), timeout=RPC_TIMEOUT))
+        bad = bytearray(ray.get(holder.get.remote(shard, 0, None), timeout=RPC_TIMEOUT))
         bad[len(bad) // 2] ^= 1
         ray.get(holder.put.remote(shard, bytes(bad)), timeout=RPC_TIMEOUT)
         train(group2, [99])

@@ -61,36 +61,49 @@ def tier_uri(tier: str) -> str:
 
 
 class ReplicaHolder:
-    """Files in this process's memory (run as a detached Ray actor, one per node)."""
+    """Files in host memory on this node (run as a detached Ray actor, one per node).
+
+    Each file is put in Ray's object store once, owned by this actor: a reader on this
+    node maps it without a copy, one on another node fetches it through Ray's transfer,
+    and serving it costs this process no copy.
+    """
 
     def __init__(self, tier: str, node_id: str) -> None:
         self.tier, self.node_id = tier, node_id
-        self._files: dict[str, Any] = {}  # path -> uint8 array (returned without a copy)
+        self._files: dict[str, tuple[Any, int]] = {}  # path -> (ObjectRef of a uint8 array, size)
         self._lock = threading.Lock()
 
     def put(self, path: str, data: bytes, entry: dict[str, Any] | None = None) -> int:
         """Hold ``data`` as ``path``; with ``entry`` (a manifest entry) only if the bytes
         match its size and checksum (IntegrityError otherwise: nothing is kept)."""
         import numpy as np
+        import ray
 
         held = np.frombuffer(bytes(data), dtype=np.uint8)
         if entry is not None:
             verify_bytes(path, memoryview(held), FileEntry.from_dict(entry), checksums=True)
+        ref = ray.put(held)
         with self._lock:
-            self._files[path] = held
+            self._files[path] = (ref, held.nbytes)
         return held.nbytes
 
     def get(self, path: str, start: int | None = None, end: int | None = None) -> Any:
-        """The bytes of ``path`` (a uint8 array: Ray hands it to the reader without a
-        copy), or None when this holder does not have it."""
+        """``[ObjectRef]`` of the whole of ``path`` (the reader gets it from the object
+        store), its bytes from ``start`` to ``end``, or None when this holder lacks it."""
+        import ray
+
         with self._lock:
-            data = self._files.get(path)
-        return None if data is None else data[start:end]
+            held = self._files.get(path)
+        if held is None:
+            return None
+        if start is None and end is None:
+            return [held[0]]
+        return bytes(ray.get(held[0])[start:end])
 
     def listing(self, prefix: str = "") -> dict[str, int]:
         """``{path: size}`` of the files at or below ``prefix``."""
         with self._lock:
-            return {p: d.nbytes for p, d in self._files.items()
+            return {p: size for p, (_, size) in self._files.items()
                     if not prefix or p == prefix or p.startswith(prefix.rstrip("/") + "/")}
 
     def delete(self, path: str, recursive: bool = False) -> int:
@@ -104,7 +117,7 @@ class ReplicaHolder:
     def where(self) -> dict[str, Any]:
         with self._lock:
             return {"node_id": self.node_id, "files": len(self._files),
-                    "bytes": sum(d.nbytes for d in self._files.values())}
+                    "bytes": sum(size for _, size in self._files.values())}
 
 
 def ensure_holders(tier: str, nodes: list[str], timeout_s: float = 60.0) -> dict[str, Any]:

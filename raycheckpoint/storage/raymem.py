@@ -238,6 +238,8 @@ class RayMemoryFileSystem(AbstractFileSystem):
                     data = ray.get(h.get.remote(path, start, end), timeout=self.timeout_s)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
                     continue
+                if isinstance(data, list):  # a holder's file: in the object store
+                    data = ray.get(data[0], timeout=self.timeout_s)
                 if data is not None:
                     return data
         raise FileNotFoundError(f"{self.protocol}://{path}: none of the {len(holders)} live "
