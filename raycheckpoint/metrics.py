@@ -18,6 +18,8 @@ them with a ``ray_`` prefix):
 ``raycheckpoint_last_verified_step``   gauge   step of the newest checkpoint that passed
                                                background verification
 ``raycheckpoint_verifications``        counter background verifications, by ``outcome``
+``raycheckpoint_replication_pending``  gauge   a tiered job's checkpoints waiting for the
+                                               durable tier, as of the last commit
 =====================================  ======  ====================================
 
 tagged with ``job`` (``CheckpointConfig.job_name``) and ``kind`` (full / light).
@@ -129,6 +131,8 @@ class CheckpointMetrics:
             if entry.get("bytes"):
                 m["written"].inc(float(entry["bytes"]), tags=tags)
             m["step"].set(float(entry.get("step") or 0), tags={"job": self.job})
+            if "replication_pending" in entry:
+                m["pending"].set(float(entry["replication_pending"]), tags={"job": self.job})
         else:
             m["saves"].inc(1, tags=self._tags(kind, outcome="failed"))
             m["failures"].inc(1, tags=tags)
@@ -157,6 +161,9 @@ def _ray_metrics() -> dict[str, Any]:
         "anomalies": Counter("raycheckpoint_anomalies",
                              "Saves with a figure far above its recent median, by what",
                              tag_keys=(*keys, "what")),
+        "pending": Gauge("raycheckpoint_replication_pending",
+                         "Checkpoints waiting for the durable tier (tiered jobs)",
+                         tag_keys=("job",)),
         "verified_step": Gauge("raycheckpoint_last_verified_step",
                                "Step of the newest checkpoint that passed verification",
                                tag_keys=("job",)),

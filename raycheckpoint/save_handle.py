@@ -122,6 +122,8 @@ class SaveTracker:
             entry.update(bytes=result.get("bytes", 0), persist_s=result.get("persist_s"),
                          total_s=total,
                          throughput_mb_s=(result.get("bytes", 0) / total / 1e6) if total else None)
+            if "replication_pending" in result:  # a tiered job: waiting for the durable tier
+                entry["replication_pending"] = result["replication_pending"]
         else:
             entry["error"] = f"{type(error).__name__}: {error}"
         entry["anomalies"] = self.metrics.record(entry)

@@ -50,8 +50,15 @@ def test_saves_commit_locally_every_second_reaches_s3_and_resume_survives_losing
         assert ray.get(m.coordinator.wait_replication.remote(60), timeout=RPC_TIMEOUT)
         m.wait_for_cleanup(RPC_TIMEOUT)
         status = m.replication()
+        stats = m.checkpoint_stats
     finally:
         m.close(60)
+    # each commit said how many checkpoints waited for the durable tier (the gauge
+    # raycheckpoint_replication_pending): none at step 1 (not due), its own at 2 (due) and
+    # 3 (tagged), never more than the backlog bound
+    pending = [s["replication_pending"] for s in stats]
+    assert pending[0] == 0 and pending[1] >= 1 and pending[2] >= 1, pending
+    assert max(pending) <= 4, pending
     durable, disk = Storage(root, options), Storage(local)
     # every second one (2, 4, 6) and the tagged one (3); keep_last_n=3 drops step 2
     assert committed(durable) == ["step_00000003", "step_00000004", "step_00000006"], status

@@ -368,6 +368,7 @@ class CheckpointCoordinator:
             if self.tiers is not None:  # queued before any waiter hears of the commit
                 self.tiers.committed(save.name, kind=save.kind, tag=save.tag,
                                      always=save.replicate, step=save.step, metrics=save.metrics)
+                result["replication_pending"] = len(self.tiers.durable.replicator.pending())
             self._finish(save, None, result)  # durable and visible: waiters go on now
             for w in self._workers:
                 try:
