@@ -74,6 +74,8 @@ def main() -> int:
         return 1
     resumed = [ln for ln in c.stdout.splitlines() if ln.startswith("resumed from")]
     print(f"      {resumed[0] if resumed else 'did not resume'}", flush=True)
+    if not resumed:  # what the resumed run saw: its own output, for whoever debugs this
+        print(c.stdout[-3000:], c.stderr[-4000:], file=sys.stderr)
     rb = read_metrics(crash_root / "metrics.jsonl")
     start = int(resumed[0].split("step_")[1][:8]) if resumed else 0
     same = bool(resumed) and all(

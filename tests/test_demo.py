@@ -18,7 +18,7 @@ def test_crash_and_resume_match_straight_run(tmp_path):
                           capture_output=True, text=True, timeout=560)
     out = proc.stdout
     assert "driver exit code -9" in out, out + proc.stderr[-3000:]
-    assert "resumed from step_00000005 at step 5" in out, out
+    assert "resumed from step_00000005 at step 5" in out, out + proc.stderr[-7000:]
     assert "mean reward" in out and "training blocked per save" in out
     assert "resumed run == straight run (metrics and weights, bitwise, steps 6-8): True" in out, \
         out + proc.stderr[-3000:]
