@@ -153,6 +153,7 @@ class CheckpointLoader:
                               RuntimeWarning, stacklevel=4)
                 failures.append(f"{name}: {error}")
             verification = catalog.read_verification(storage)
+            held: dict[str, int] = {}  # the tier's files, listed once when first needed
             for m in markers:
                 if m.kind != "full":
                     continue
@@ -165,7 +166,7 @@ class CheckpointLoader:
                                     f"{record.get('error')}")
                     continue
                 if self.durable is not None and storage is not self._durable and not _complete(
-                        storage, m.name):
+                        storage, m.name, held := held or storage.list_files()):
                     logger.info("%s is not read from the %s: files of it went with a node "
                                 "(its replica holder or its disk)", m.name, self._tier_name(storage))
                     continue
@@ -319,12 +320,11 @@ class CheckpointLoader:
         return out
 
 
-def _complete(storage: Storage, name: str) -> bool:
-    """Whether ``storage`` holds every file ``name``'s manifest lists, at its size (the
-    checksums are checked as the files are read)."""
+def _complete(storage: Storage, name: str, held: dict[str, int]) -> bool:
+    """Whether ``held`` (``storage``'s files and sizes) has every file ``name``'s manifest
+    lists, at its size (the checksums are checked as the files are read)."""
     try:
         manifest = Manifest.from_bytes(storage.read_bytes(CheckpointPaths(name).manifest))
     except Exception:  # noqa: BLE001 - missing or unreadable: not a complete copy
         return False
-    held = storage.list_files()
     return all(held.get(p) == e.size for p, e in manifest.files.items())
