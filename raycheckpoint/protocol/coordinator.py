@@ -34,7 +34,6 @@ coordinator never looks inside tensors.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -47,7 +46,7 @@ from raycheckpoint.errors import CheckpointSaveError, CommitTimeoutError
 from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol.collect import Collector
 from raycheckpoint.protocol.commit import SaveRecord, commit
-from raycheckpoint.protocol.paths import step_dir_name, validate_tag
+from raycheckpoint.protocol.paths import root_id, step_dir_name, validate_tag
 from raycheckpoint.protocol.root import RootState
 from raycheckpoint.protocol.tiers import Tiers
 from raycheckpoint.protocol.verification import VerificationQueue
@@ -63,7 +62,7 @@ NAMESPACE = "raycheckpoint"  # the Ray namespace of every job's coordinator acto
 
 def actor_name(storage: Storage) -> str:
     """The Ray actor name of the coordinator of the job writing to ``storage``'s root."""
-    return "coordinator-" + hashlib.sha256(storage.url().rstrip("/").encode()).hexdigest()[:16]
+    return "coordinator-" + root_id(storage.url())
 
 
 def start(spec: StorageSpec, config: CheckpointConfig, lease_job_id: str | None,

@@ -29,7 +29,6 @@ checksum does not match is passed over for the local or durable copy.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
@@ -42,7 +41,7 @@ from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.commit import mark_committed
 from raycheckpoint.protocol.nodes import ensure_on_nodes
 from raycheckpoint.protocol.nodes import release as release_actors
-from raycheckpoint.protocol.paths import CheckpointPaths
+from raycheckpoint.protocol.paths import CheckpointPaths, root_id
 from raycheckpoint.protocol.replicate import TargetMismatchError, committed_source
 from raycheckpoint.protocol.root import RootState
 from raycheckpoint.storage import FileEntry, Storage
@@ -53,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 def tier_id(durable_url: str) -> str:
     """The memory tier of the job whose durable root is ``durable_url``."""
-    return hashlib.sha256(durable_url.rstrip("/").encode()).hexdigest()[:16]
+    return root_id(durable_url)
 
 
 def tier_uri(tier: str) -> str:

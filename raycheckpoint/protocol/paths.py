@@ -15,6 +15,7 @@ The root-level names are constants; a checkpoint's paths come from one
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -111,3 +112,9 @@ class CheckpointPaths:
 def dcp_metadata(dcp_dir: str) -> str:
     """DCP's ``.metadata`` in the DCP directory ``dcp_dir``."""
     return f"{dcp_dir}/{DCP_METADATA}"
+
+
+def root_id(url: str) -> str:
+    """A short stable id of the root at ``url``: what the job's named actors (its
+    coordinator, memory holders, node agents) are called after."""
+    return hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
