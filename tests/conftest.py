@@ -4,6 +4,9 @@ Everything here is real: an S3 server on 127.0.0.1 reached through s3fs, a local
 instance (never joining another cluster), and FSDP2 worker groups on gloo.  They are
 session-scoped and reused, and every wait has a timeout.
 
+Every Ray instance the tests start keeps its files in a temporary directory of its own,
+never in Ray's default one (``/tmp/ray``), which tests/ray_temp_guard.py checks.
+
 The S3 server is the one named by ``RAYCHECKPOINT_TEST_S3_ENDPOINT`` (with ``_KEY`` and
 ``_SECRET``; ``python -m tests.rgw -- pytest ...`` starts Ceph's RADOS Gateway and sets
 them), else moto's, started here with credentials made up for the session.  Credentials
@@ -27,6 +30,12 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 RPC_TIMEOUT = 120
 BUCKET = "ckpt"
+
+
+def pytest_configure(config):
+    """No test may write Ray's default temporary directory: every Ray instance a test
+    starts has one of its own (the check: tests/ray_temp_guard.py)."""
+    config.pluginmanager.import_plugin("tests.ray_temp_guard")
 
 
 @pytest.fixture(scope="session")

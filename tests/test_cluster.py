@@ -100,8 +100,8 @@ def test_ray_up_over_ssh_to_loopback_runs_and_resumes_the_job(tmp_path):
     config["file_mounts"] = {}
     config["setup_commands"] = []
     config["head_start_ray_commands"][-1] += " --num-cpus=8"
-    # ray's ssh control socket lives in the host's /tmp, named after the cluster: a name
-    # of its own keeps two runs on one machine from sharing a connection
+    # ray's ssh control socket lives in /tmp (the script's own), named after the cluster:
+    # a name of its own keeps two runs from sharing a connection also where /tmp is shared
     config["cluster_name"] += "-" + uuid.uuid4().hex[:8]
     check(config)
     cluster = tmp_path / "cluster.yaml"

@@ -3,18 +3,20 @@
     python -m tests.cluster.node_loss TEMP_DIR S3_ENDPOINT KEY SECRET
 
 On a three-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: a head and
-two worker nodes), a two-rank FSDP2 group runs one rank per worker node and saves
-tiered: the memory tier (``memory_replicas=1``: each rank's files on its node and on the
-other one), the local tier in each node's own directory (TEMP_DIR/nvme/<node id>,
-``local_dir_per_node``), the durable tier on the S3 server, every second checkpoint
-replicated.  After step 5 (memory and local only; step 4 is durable) the node of rank 1
-is removed without a graceful stop (every Ray process of it SIGKILLed, its replica
-holder and its directory's agent with it) and its local directory deleted, as a lost
-node's disk is.  A replacement node joins, a new group and manager start, and ``auto``
-resumes step 5 from the surviving holder's memory.  Then the replicas are lost too (the
-holders ended): the local tier lacks rank 1's files of steps 4 and 5, and ``auto``
-resumes step 4 from the durable tier.  Prints one JSON line: per phase the tier and
-step resumed from, whether the state equals the one saved then, and the recovery time.
+two worker nodes, every Ray file under TEMP_DIR/ray:
+:mod:`tests.cluster.local_cluster`), a two-rank FSDP2 group runs one rank per worker
+node and saves tiered: the memory tier (``memory_replicas=1``: each rank's files on its
+node and on the other one), the local tier in each node's own directory
+(TEMP_DIR/nvme/<node id>, ``local_dir_per_node``), the durable tier on the S3 server,
+every second checkpoint replicated.  After step 5 (memory and local only; step 4 is
+durable) the node of rank 1 is removed without a graceful stop (every Ray process of it
+SIGKILLed, its replica holder and its directory's agent with it) and its local directory
+deleted, as a lost node's disk is.  A replacement node joins, a new group and manager
+start, and ``auto`` resumes step 5 from the surviving holder's memory.  Then the
+replicas are lost too (the holders ended): the local tier lacks rank 1's files of steps
+4 and 5, and ``auto`` resumes step 4 from the durable tier.  Prints one JSON line: per
+phase the tier and step resumed from, whether the state equals the one saved then, and
+the recovery time.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ import time
 import uuid
 
 import ray
-from ray.cluster_utils import Cluster
 
 from raycheckpoint import CheckpointConfig, CheckpointManager
 from raycheckpoint.protocol import catalog, memory
 from raycheckpoint.storage import Storage
 from raycheckpoint.storage.raymem import live_holders
+from tests.cluster import local_cluster
 from tests.helpers import assert_same
 from workers import FSDPTrainWorker, create_worker_group
 from workers.group import place_ranks
@@ -77,9 +79,7 @@ def main(temp: str, endpoint: str, key: str, secret: str) -> int:
                            commit_timeout_s=60, rpc_timeout_s=TIMEOUT, save_wait_timeout_s=TIMEOUT,
                            lease_ttl_s=5)
     # the head holds no CPU for ranks: one rank per worker node (STRICT_SPREAD over two)
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 0, "temp_dir": os.path.join(temp, "ray"),
-                                      "include_dashboard": False})
+    cluster = local_cluster.start(temp, num_cpus=0)
     nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
     ray.init(address=cluster.address)
     out: dict = {}

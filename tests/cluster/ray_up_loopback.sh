@@ -3,8 +3,8 @@
 #
 # Run by tests/test_cluster.py inside fresh net+pid+mount namespaces: only loopback
 # exists, every process (sshd, the Ray head `ray up` starts, `ray stop` from `ray down`)
-# sees only this namespace; root's home (in a private copy of /etc/passwd) and /tmp/ray
-# are directories under WORK.
+# sees only this namespace; root's home (in a private copy of /etc/passwd) and /tmp are
+# directories under WORK (see private_tmp).
 # Usage: ray_up_loopback.sh WORK CONFIG   (CONFIG: the cluster yaml to bring up)
 set -euo pipefail
 WORK=$1; CONFIG=$2
@@ -14,12 +14,27 @@ source "$REPO/tests/cluster/end_processes.sh"
 trap end_processes EXIT  # what `ray down` left (agents, workers) ends before WORK is removed
 ip link set lo up
 export HOME="$WORK/home"
-CLUSTER_RAY=/tmp/raycheckpoint-ray-$(id -u)  # where deploy/cluster-local.yaml's Ray lives
-mkdir -p "$HOME/.ssh" "$WORK/tmp-ray" "$WORK/cluster-ray" "$WORK/ssh" /tmp/ray "$CLUSTER_RAY" /run/sshd
+mkdir -p "$HOME/.ssh" "$WORK/ssh" /run/sshd
 sed "s#^root:\([^:]*\):0:0:\([^:]*\):[^:]*:#root:\1:0:0:\2:$HOME:#" /etc/passwd > "$WORK/passwd"
 mount --bind "$WORK/passwd" /etc/passwd
-mount --bind "$WORK/tmp-ray" /tmp/ray
-mount --bind "$WORK/cluster-ray" "$CLUSTER_RAY"
+
+private_tmp() {  # private_tmp VIEW PATH...: VIEW is /tmp from now on; each PATH under /tmp
+  local view=$1 p; shift  # is still seen at its own path
+  mkdir -p "$view" && chmod 1777 "$view"
+  for p in "$@"; do
+    case $p in /tmp/*) mkdir -p "$view/${p#/tmp/}"; mount --bind "$p" "$view/${p#/tmp/}" ;; esac
+  done
+  mount --rbind "$view" /tmp
+}
+# /tmp of this run's own: Ray's default temporary directory /tmp/ray (the other Ray's
+# below, and the cluster lock and state that Ray's local provider keeps there for `ray up`
+# and for the head's autoscaler, whose ssh shells have no TMPDIR), deploy/cluster-local.yaml's
+# /tmp/raycheckpoint-ray-<uid> and ray's ssh control sockets (/tmp/ray_ssh_*) are under
+# WORK/tmp; nothing in the machine's /tmp is read or written
+private_tmp "$WORK/tmp" "$WORK" "$REPO"
+export TMPDIR=/tmp
+unset RAY_TMPDIR
+mkdir -p /tmp/ray
 ssh-keygen -q -t ed25519 -N '' -f "$WORK/ssh/host_key"
 ssh-keygen -q -t ed25519 -N '' -f "$HOME/.ssh/id_ed25519"
 cp "$HOME/.ssh/id_ed25519.pub" "$HOME/.ssh/authorized_keys"
@@ -54,7 +69,7 @@ step() {  # step NAME COMMAND...: output to $WORK/NAME.log; its tail if it fails
 }
 submit() { ray job submit --address http://127.0.0.1:8265 --working-dir . -- "${JOB[@]}" "$@"; }
 # someone else's Ray on the same machine: `ray down` must leave it running
-# (at Ray's default /tmp/ray, a private directory here; on ports of its own)
+# (at Ray's default /tmp/ray, this run's own here; on ports of its own)
 step other ray start --head --port=6390 --num-cpus=1 --include-dashboard=false \
   --dashboard-port=8266 --ray-client-server-port=9002 --dashboard-agent-listen-port=52366 \
   --min-worker-port=20000 --max-worker-port=20999

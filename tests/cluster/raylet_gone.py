@@ -2,7 +2,8 @@
 
     python -m tests.cluster.raylet_gone TEMP_DIR
 
-Starts a two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``), places one
+Starts a two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``, every Ray
+file under TEMP_DIR: :mod:`tests.cluster.local_cluster`), places one
 of this project's actors (the background verifier, which installs the exit path of
 ``raycheckpoint/_internal/exit.py``) on the second node, SIGKILLs that node's raylet and
 prints, as JSON, how long the actor's process took to end (``null``: still alive after
@@ -19,15 +20,14 @@ import time
 
 import psutil
 import ray
-from ray.cluster_utils import Cluster
 
 from raycheckpoint.storage import StorageSpec
 from raycheckpoint.verifier import CheckpointVerifier
+from tests.cluster import local_cluster
 
 
 def main(temp: str) -> int:
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 1, "temp_dir": temp, "include_dashboard": False})
+    cluster = local_cluster.start(temp, num_cpus=1)
     node = cluster.add_node(num_cpus=1, resources={"doomed": 1})
     ray.init(address=cluster.address)
     try:
