@@ -247,6 +247,4 @@ def env_overrides() -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "RAYCHECKPOINT_SAVE_DIR" in os.environ:
         out["save_dir"] = os.environ["RAYCHECKPOINT_SAVE_DIR"]
-    if "RAYCHECKPOINT_ENABLE_CHECKSUM" in os.environ:
-        out["enable_checksum"] = os.environ["RAYCHECKPOINT_ENABLE_CHECKSUM"] not in ("0", "false")
     return out
