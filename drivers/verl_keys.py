@@ -16,9 +16,11 @@ LOAD_CONTENTS = "actor_rollout_ref.actor.checkpoint.load_contents"
 
 # key -> (the only value accepted, why another is refused)
 REFUSED: dict[str, tuple[Any, str]] = {
-    "trainer.default_hdfs_dir": (None, "give an fsspec URI (s3://, hdfs://, ...) in "
-                                       "trainer.default_local_dir: checkpoints are written there "
-                                       "directly, with no local copy to upload"),
+    "trainer.default_hdfs_dir": (None, "give the checkpoint root in trainer.default_local_dir: "
+                                       "a local path, a filesystem every node mounts, or s3://; "
+                                       "checkpoints are written there directly, with no local "
+                                       "copy to upload (not hdfs://: fsspec gives it no atomic "
+                                       "exclusive create, which LEASE and COMMITTED need)"),
     "trainer.del_local_ckpt_after_load": (False, "a loaded checkpoint stays the restart point "
                                                  "until retention (max_actor_ckpt_to_keep) drops it"),
     "actor_rollout_ref.actor.fsdp_config.param_offload": (False, "parameter offload to cpu is not "

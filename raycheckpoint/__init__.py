@@ -26,6 +26,7 @@ _EXPORTS = {
     "LeaseHeldError": "raycheckpoint.errors",
     "LeaseLostError": "raycheckpoint.errors",
     "RayCheckpointError": "raycheckpoint.errors",
+    "StorageCapabilityError": "raycheckpoint.errors",
     "CheckpointManager": "raycheckpoint.manager",
     "LoadResult": "raycheckpoint.loader",
     "SaveHandle": "raycheckpoint.save_handle",
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
         LeaseLostError,
         LightCheckpointError,
         RayCheckpointError,
+        StorageCapabilityError,
     )
     from raycheckpoint.loader import LoadResult
     from raycheckpoint.manager import CheckpointManager
@@ -91,6 +93,7 @@ __all__ = [
     "RetentionPolicy",
     "SaveHandle",
     "Storage",
+    "StorageCapabilityError",
     "StorageSpec",
     "__version__",
     "capture_rng",

@@ -83,3 +83,9 @@ class LeaseHeldError(RayCheckpointError, RuntimeError):
 
 class LeaseLostError(RayCheckpointError, RuntimeError):
     """This job's lease on its checkpoint root was taken over by another job."""
+
+
+class StorageCapabilityError(RayCheckpointError, ValueError):
+    """A root's backend cannot do safely what is asked of it: a job's ``LEASE`` or a
+    ``COMMITTED`` marker on a backend without an atomic exclusive create.  ``uri`` names
+    the root and ``backend`` its filesystem; the message says what to use instead."""

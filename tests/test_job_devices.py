@@ -29,7 +29,7 @@ def llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("arg, message", [
-    ("trainer.default_hdfs_dir=hdfs://nn/ckpt", "give an fsspec URI"),
+    ("trainer.default_hdfs_dir=hdfs://nn/ckpt", "give the checkpoint root in trainer.default_local_dir"),
     ("trainer.del_local_ckpt_after_load=true", "stays the restart point"),
     ("actor_rollout_ref.actor.fsdp_config.param_offload=true", "parameter offload"),
     ("actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "optimizer offload"),

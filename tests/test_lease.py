@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import select
 import socket
 import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
 
 from raycheckpoint import CheckpointSaveError, LeaseHeldError, LeaseLostError, Storage
-from raycheckpoint.protocol.lease import Lease, LeaseInfo, read_lease
+from raycheckpoint.protocol.lease import Lease, LeaseInfo, boot_id, pid_namespace, read_lease
 from raycheckpoint.protocol.paths import COMMITTED, LATEST, LEASE
 from tests.helpers import REPORTS, manager, train
 
@@ -35,6 +39,20 @@ def plant(storage: Storage, **fields) -> LeaseInfo:
                         **fields})
     storage.write_pointer(LEASE, info.to_bytes())
     return info
+
+
+def here(**fields) -> dict:
+    """This process's host, boot and PID namespace: a pid in a lease with them is one of
+    this namespace's pids."""
+    return {"host": socket.gethostname(), "boot_id": boot_id(), "pid_ns": pid_namespace(),
+            **fields}
+
+
+def gone_pid() -> int:
+    """A pid no process of this namespace has (a process that ran and was reaped)."""
+    done = subprocess.Popen(["true"])
+    done.wait()
+    return done.pid
 
 
 @pytest.mark.parametrize("storage", BACKENDS, indirect=True)
@@ -109,16 +127,100 @@ def test_a_stale_lease_is_taken_after_its_ttl(storage):
 
 def test_a_dead_holder_on_this_host_is_replaced_at_once(local_root):
     storage = Storage(local_root)
-    done = subprocess.Popen(["true"])
-    done.wait()
-    plant(storage, job_name="killed", host=socket.gethostname(), pid=done.pid, ttl_s=300)
+    assert boot_id() and pid_namespace().startswith("pid:[")
+    plant(storage, job_name="killed", **here(pid=gone_pid()), ttl_s=300)
     b = Lease(storage, job_name="restarted", wait_s=0).acquire()
     assert b.took_over.job_name == "killed"
+    assert (b.info.boot_id, b.info.pid_ns) == (boot_id(), pid_namespace())
     b.release()
     # a live holder on this host is respected
-    plant(storage, job_name="alive", host=socket.gethostname(), pid=1, ttl_s=300)
+    plant(storage, job_name="alive", **here(pid=os.getpid()), ttl_s=300)
     with pytest.raises(LeaseHeldError, match="alive"):
         Lease(storage, job_name="other", wait_s=0).acquire()
+
+
+@pytest.mark.parametrize("elsewhere", [
+    {"pid_ns": "pid:[1]"},  # another container / PID namespace on a host of the same name
+    {"boot_id": "00000000-0000-0000-0000-000000000000"},  # before a reboot
+    {"boot_id": "", "pid_ns": ""},  # not known
+])
+def test_a_holder_whose_pid_is_counted_elsewhere_is_waited_for_until_stale(local_root, elsewhere):
+    """The same host name and a pid nobody has here: the holder may be alive where its pid
+    means another process, so the lease is taken only once stale."""
+    storage = Storage(local_root)
+    plant(storage, job_name="contained", **{**here(pid=gone_pid()), **elsewhere}, ttl_s=2.0)
+    with pytest.raises(LeaseHeldError, match="contained"):
+        Lease(storage, job_name="restarted", wait_s=0).acquire()
+    t0 = time.monotonic()
+    b = Lease(storage, job_name="restarted", wait_s=10).acquire()
+    assert b.took_over.job_name == "contained" and 1.0 <= time.monotonic() - t0 < 8
+    b.release()
+
+
+def test_a_lease_of_an_older_release_is_waited_for_until_stale(local_root):
+    """A LEASE without boot id and PID namespace (written by an older release) is read as
+    it is, and its holder, on this host with a pid nobody has here, is not taken over
+    before it is stale."""
+    storage = Storage(local_root)
+    now = time.time()
+    old = {"job_id": "0123456789abcdef", "job_name": "older", "host": socket.gethostname(),
+           "pid": gone_pid(), "started_at": now, "heartbeat_at": now, "ttl_s": 2.0}
+    storage.write_pointer(LEASE, json.dumps(old).encode())
+    info = read_lease(storage)
+    assert (info.job_name, info.boot_id, info.pid_ns) == ("older", "", "")
+    with pytest.raises(LeaseHeldError, match="older"):
+        Lease(storage, job_name="restarted", wait_s=0).acquire()
+    b = Lease(storage, job_name="restarted", wait_s=10).acquire()
+    assert b.took_over.job_name == "older"
+    b.release()
+
+
+HOLDER = textwrap.dedent("""
+    import sys
+    from raycheckpoint.protocol.lease import Lease
+    from raycheckpoint.storage import Storage
+    lease = Lease(Storage(sys.argv[1]), job_name="contained", ttl_s=float(sys.argv[2])).acquire()
+    print("held", lease.info.pid, flush=True)
+    sys.stdin.read()  # holds (heartbeating) until killed
+""")
+
+
+def test_a_live_holder_in_another_pid_namespace_is_not_taken_over(local_root):
+    """A real job in its own PID namespace (``unshare --pid``) on this host: its pid is
+    one no process has here, yet it is alive.  It is refused while it heartbeats, and
+    taken over only once stale after it was killed."""
+    if subprocess.run(["unshare", "--pid", "--fork", "--map-root-user", "true"],
+                      capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("this machine allows no PID namespace of our own (unshare --pid)")
+    # its pid there: one that no process has here (the namespace starts counting after it)
+    pid = next(p for p in range(20000, 300, -1) if not os.path.exists(f"/proc/{p}"))
+    ttl = 3.0
+    holder = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--map-root-user", "--kill-child", "sh", "-c",
+         f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid 2>/dev/null; "$0" -c "$1" "$2" "$3"; true',
+         sys.executable, HOLDER, local_root, str(ttl)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    storage = Storage(local_root)
+    try:
+        ready, _, _ = select.select([holder.stdout], [], [], 60)
+        line = holder.stdout.readline() if ready else ""
+        assert line.startswith("held"), line
+        info = read_lease(storage)
+        assert info.job_name == "contained" and info.host == socket.gethostname()
+        assert info.boot_id == boot_id() and info.pid_ns != pid_namespace()
+        if os.path.exists(f"/proc/{info.pid}"):
+            pytest.skip(f"the holder's pid {info.pid} is also one of this namespace's")
+        with pytest.raises(LeaseHeldError, match="contained"):
+            Lease(storage, job_name="outside", wait_s=0).acquire()
+        with pytest.raises(LeaseHeldError, match="contained"):  # alive: it never goes stale
+            Lease(storage, job_name="outside", wait_s=ttl + 1).acquire()
+    finally:
+        holder.kill()  # and with it (--kill-child) the namespace and the holder
+        holder.wait(30)
+    t0 = time.monotonic()
+    b = Lease(storage, job_name="outside", wait_s=ttl + 10).acquire()
+    assert b.took_over.job_name == "contained" and time.monotonic() - t0 >= 1.0
+    b.release()
 
 
 @pytest.mark.parametrize("storage", BACKENDS, indirect=True)
@@ -163,9 +265,10 @@ def test_manager_refuses_a_held_root_and_a_takeover_stops_the_old_job(group2, lo
         intruder = Lease(storage, job_name="intruder", takeover=True, wait_s=0).acquire()
         train(group2, [2])
         m.update(step=2)
-        h = m.save_checkpoint()
-        with pytest.raises(CheckpointSaveError, match="intruder"):
-            h.wait(120)
+        # refused when the save begins (its step directory is claimed under the lease), or
+        # at its commit: either way naming the new holder
+        with pytest.raises((LeaseLostError, CheckpointSaveError), match="intruder"):
+            m.save_checkpoint().wait(120)
         assert not storage.exists(f"step_00000002/{COMMITTED}")
         assert storage.read_bytes(LATEST).decode().strip() == "step_00000001"
         intruder.release()

@@ -207,7 +207,8 @@ def test_each_kind_of_uri_opens_its_backend(tmp_path):
     assert type(local.spec.open()) is LocalStorage and type(memory.spec.open()) is MemoryStorage
     assert type(local.spec.child("x").open()) is LocalStorage
     assert local.caps.local_paths and local.caps.atomic_create and local.writes_direct
-    assert not memory.caps.shared and not memory.caps.atomic_create
+    assert not memory.caps.shared and memory.caps.atomic_create  # one process's, under a lock
+    assert not Storage("http://127.0.0.1:9/ckpt", create=False).caps.atomic_create
     assert s3.caps.atomic_create and not s3.caps.local_paths and not s3.writes_direct
     assert not Storage(str(tmp_path / "b"), direct_io=False).writes_direct
 

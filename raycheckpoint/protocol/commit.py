@@ -5,7 +5,9 @@ order: ``trainer_state.json``, ``version.json``, ``manifest.msgpack``, ``COMMITT
 ``LATEST`` (full only) and the ``latest`` link, the tag pointer, ``catalog.json``.
 ``COMMITTED`` present means complete: a failure before it leaves no marker and
 ``LATEST`` unchanged, and the partial files are collected later.  The lease is checked
-just before the marker.  Named fault points (``coordinator.*``) sit between the steps.
+just before the marker, and again before each write after it (``LATEST``, the tag, the
+catalog: :class:`~raycheckpoint.protocol.root.RootState`), so a job that lost its lease
+in between writes none of them.  Named fault points (``coordinator.*``) sit between the steps.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ def commit(root: RootState, save: SaveRecord) -> dict[str, Any]:
 def mark_committed(root: RootState, marker: Marker, manifest: Manifest, *, point: str) -> None:
     """Everything else of ``marker``'s checkpoint is written: check the lease, create
     ``COMMITTED``, then move ``LATEST`` (full, and the newest), write the tag and the
-    catalog.  Fault points ``<point>.after_marker`` and ``<point>.catalog`` sit between."""
+    catalog, each after its own check of the lease (LeaseLostError: nothing more is
+    written).  Fault points ``<point>.after_marker`` and ``<point>.catalog`` sit between."""
     name = marker.name
     root.check_lease()
     root.storage.create_marker(CheckpointPaths(name).committed, marker.to_bytes())

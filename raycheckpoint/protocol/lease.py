@@ -1,23 +1,32 @@
 """The job lease: one job writes a checkpoint root at a time.
 
-``<root>/LEASE`` (JSON) names the holder: job id and name, host, pid, and a heartbeat
-refreshed every ``ttl_s / 3`` seconds by a thread of the driver.  A second job pointed
-at the same root is refused with a :class:`LeaseHeldError` naming the holder, unless
+``<root>/LEASE`` (JSON) names the holder: job id and name, host, pid, the boot id and
+PID namespace the pid is counted in, and a heartbeat refreshed every ``ttl_s / 3``
+seconds by a thread of the driver.  A second job pointed at the same root is refused
+with a :class:`LeaseHeldError` naming the holder, unless
 
 * the lease is stale (no heartbeat for ``ttl_s``: the holder died), waited for up to
   ``wait_s`` so a job restarted right after a crash resumes without a person;
-* the holder ran on this host and its process is gone (taken at once);
+* the holder's process is gone, which is known only where its pid means what it means
+  here: the same host, the same boot and the same PID namespace (taken at once).  A
+  holder in another container or PID namespace on a host of the same name is invisible
+  to ``kill(pid, 0)`` while alive, so it is waited for until stale; so is one whose
+  LEASE records no boot id or namespace (written by an older release);
 * takeover is asked for explicitly (``lease_takeover=True``).
 
-A job whose lease was taken over learns it at its next heartbeat or commit: the
-coordinator checks the lease before writing ``COMMITTED`` and before deleting anything,
-and aborts the save with a :class:`LeaseLostError` naming the new holder.
+A job whose lease was taken over learns it at its next heartbeat or write: the
+coordinator checks the lease before every write to the root's shared state
+(``COMMITTED``, ``LATEST``, a tag, the catalog, verification results) and before
+deleting anything (:class:`~raycheckpoint.protocol.root.RootState`), and fails with a
+:class:`LeaseLostError` naming the new holder: a job that lost its lease writes nothing
+more there.
 
-The first lease is created exclusively (the same atomic create as ``COMMITTED``); a
-stale or taken-over one is replaced with one atomic write, then read back.  Two jobs
-taking over the same stale lease at the same instant are decided by that read-back; a
-holder whose heartbeat races a takeover keeps its lease and the taker gets
-LeaseLostError at its next check.
+The first lease is created exclusively (the same atomic create as ``COMMITTED``): a
+root whose backend has no atomic exclusive create is refused before any lease is taken
+(:mod:`~raycheckpoint.storage.atomic`).  A stale or taken-over one is replaced with one
+atomic write, then read back.  Two jobs taking over the same stale lease at the same
+instant are decided by that read-back; a holder whose heartbeat races a takeover keeps
+its lease and the taker gets LeaseLostError at its next check.
 """
 
 from __future__ import annotations
@@ -45,6 +54,9 @@ class LeaseInfo:
     started_at: float
     heartbeat_at: float
     ttl_s: float
+    # where ``pid`` is counted ("" when unknown, as in a LEASE of an older release)
+    boot_id: str = ""
+    pid_ns: str = ""
 
     def age(self, now: float | None = None) -> float:
         return (time.time() if now is None else now) - self.heartbeat_at
@@ -62,7 +74,28 @@ class LeaseInfo:
     @classmethod
     def from_bytes(cls, data: bytes) -> LeaseInfo:
         d = json.loads(data)
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__
+                      if k in d or k not in OPTIONAL_FIELDS})
+
+
+OPTIONAL_FIELDS = ("boot_id", "pid_ns")  # absent from the LEASE of an older release
+
+
+def boot_id() -> str:
+    """This machine's boot id ("" where the system has none to read)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace, as ``pid:[<inode>]`` ("" where it cannot be read)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 def read_lease(storage: Storage) -> LeaseInfo | None:
@@ -86,8 +119,10 @@ def check_held(storage: Storage, job_id: str, holder: str) -> None:
 
 
 def _process_gone(info: LeaseInfo) -> bool:
-    """True when the holder ran on this host and its process no longer exists."""
-    if info.host != socket.gethostname() or info.pid <= 0:
+    """True when the holder's pid is one of this PID namespace (the same host, boot and
+    namespace, each known) and no process has it."""
+    here = (socket.gethostname(), boot_id(), pid_namespace())
+    if (info.host, info.boot_id, info.pid_ns) != here or not all(here) or info.pid <= 0:
         return False
     try:
         os.kill(info.pid, 0)
@@ -110,7 +145,8 @@ class Lease:
         now = time.time()
         self.info = LeaseInfo(job_id=uuid.uuid4().hex[:16], job_name=job_name,
                               host=socket.gethostname(), pid=os.getpid(), started_at=now,
-                              heartbeat_at=now, ttl_s=ttl_s)
+                              heartbeat_at=now, ttl_s=ttl_s, boot_id=boot_id(),
+                              pid_ns=pid_namespace())
         self.took_over: LeaseInfo | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -125,7 +161,9 @@ class Lease:
         return self.info.to_bytes()
 
     def acquire(self) -> Lease:
-        """Take the lease (see the module doc); raise LeaseHeldError naming the holder."""
+        """Take the lease (see the module doc); raise LeaseHeldError naming the holder,
+        or StorageCapabilityError for a root whose backend has no atomic exclusive create."""
+        self.storage.require_atomic_create()
         deadline = time.monotonic() + self.wait_s
         while True:
             current = read_lease(self.storage)

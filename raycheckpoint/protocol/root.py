@@ -12,7 +12,9 @@ what storage holds and a commit costs few metadata reads:
 
 Deleting a checkpoint removes its marker first, so a half-deleted directory is mere
 garbage; files another manifest references (deduplicated frozen weights) are kept.
-Before anything irreversible the lease is checked (:meth:`RootState.check_lease`).
+Before every write to the root's shared state (``LATEST``, a tag, the catalog,
+verification results) and every delete the lease is checked
+(:meth:`RootState.check_lease`): a job that lost its lease writes nothing more.
 """
 
 from __future__ import annotations
@@ -119,19 +121,23 @@ class RootState:
     # ---- writing ------------------------------------------------------------------------
 
     def check_lease(self) -> None:
-        """Before anything irreversible: is the root still this job's? (see lease.py)"""
+        """Before every write to the root's shared state and every delete: is the root
+        still this job's? LeaseLostError if not (see lease.py)."""
         if self.lease_job_id is not None:
             check_held(self.storage, self.lease_job_id, f"lease {self.lease_job_id}")
 
     def write_latest(self, name: str) -> None:
+        self.check_lease()
         catalog.write_latest(self.storage, name)
 
     def write_tag(self, tag: str, name: str) -> None:
+        self.check_lease()
         catalog.write_tag(self.storage, tag, name)
         self.tags[tag] = name
 
     def write_catalog(self, markers: list[Marker] | None = None) -> None:
         """``catalog.json`` of ``markers`` (default: every committed one) and the tags."""
+        self.check_lease()
         markers = self.sorted_markers() if markers is None else markers
         catalog.write_catalog(self.storage, markers, self.tags, self._verified_of(markers))
 
@@ -154,6 +160,7 @@ class RootState:
 
     def delete_step(self, name: str, referenced: set[str]) -> None:
         """Delete a step directory, marker first, keeping files other manifests reference."""
+        self.check_lease()
         if self.unmarked is not None:
             self.unmarked.add(name)  # until the deletion is complete
         paths = CheckpointPaths(name)

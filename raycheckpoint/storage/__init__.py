@@ -9,12 +9,15 @@ module                 backend                                     kinds
 :mod:`.posix`          :class:`~.posix.LocalStorage`               plain paths, file://
 :mod:`.s3`             :class:`~.s3.S3Storage`                     s3://, s3a://
 :mod:`.memory`         :class:`~.memory.MemoryStorage`             memory://
+:mod:`.raymem`         :class:`~.raymem.RayMemoryStorage`          rcmem://, rcnode://
 :mod:`.base`           :class:`~.base.Storage` (generic fsspec)    anything else
 =====================  ==========================================  =====================
 
 Each declares its :class:`~.spec.Capabilities` (local paths, ``O_DIRECT``, atomic
-exclusive create, symlinks, shared), which is what code outside this package asks.
-Atomicity (pointer replace, exclusive create) lives in the backends and nowhere else;
+exclusive create, private to one job, symlinks, shared), which is what code outside this
+package asks.  Atomicity (pointer replace, exclusive create) lives in the backends and
+nowhere else; which roots may hold ``LEASE`` and ``COMMITTED`` (an atomic exclusive
+create: not the generic backend) is :mod:`.atomic`'s rule;
 every write streams through a :class:`~.writer.HashingWriter`; every operation is
 retried while it fails transiently (:mod:`.retry`).  A :class:`~.spec.StorageSpec` is
 the picklable description other processes open.

@@ -15,7 +15,9 @@ Paths are relative to the root (``step_00000010/actor/x``).  What every backend 
 * two atomic operations, the only ones the commit protocol relies on:
   :meth:`write_pointer` (replace a small object: readers see old or new, never half) and
   :meth:`create_marker` (create a file that must not exist yet; ``FileExistsError`` if
-  it does).  Nothing calls ``fs.mv`` or ``fs.transaction`` (copy + delete on object stores);
+  it does), the latter only where ``Capabilities.atomic_create`` says it is atomic
+  (:mod:`~raycheckpoint.storage.atomic`).  Nothing calls ``fs.mv`` or ``fs.transaction``
+  (copy + delete on object stores);
 * reads (whole, ranged, streamed into a caller's buffer), listings, deletes;
 * retries (:meth:`retrying`: exponential backoff with jitter, ``retries`` attempts more)
   of every operation while it fails transiently (connection drops, throttling, 5xx;
@@ -23,9 +25,11 @@ Paths are relative to the root (``step_00000010/actor/x``).  What every backend 
   a missing file fails at once.  An exclusive create that finds the file recognises
   its own earlier, answered-but-lost write by its content.
 
-This generic backend's exclusive create is an existence check followed by a PUT: atomic
-against nobody.  Where that matters (the ``COMMITTED`` marker, the lease), use a backend
-with ``Capabilities.atomic_create``.  Instances are not meant to cross processes; ship a
+This generic backend has no exclusive create: :meth:`create_marker` refuses (a
+:class:`~raycheckpoint.errors.StorageCapabilityError` naming the backend), and so does
+:meth:`require_atomic_create`, which a job calls before taking its lease.  A backend
+with an atomic create declares ``Capabilities.atomic_create`` and overrides
+:meth:`_create_once`.  Instances are not meant to cross processes; ship a
 :class:`~raycheckpoint.storage.spec.StorageSpec` and ``open()`` it there.
 """
 
@@ -43,6 +47,7 @@ import fsspec
 
 from raycheckpoint._internal import faults
 from raycheckpoint.integrity import digest
+from raycheckpoint.storage.atomic import ExclusiveCreate
 from raycheckpoint.storage.retry import is_transient
 from raycheckpoint.storage.spec import Capabilities, FileEntry, StorageSpec
 from raycheckpoint.storage.writer import FsspecFile, HashingWriter
@@ -55,7 +60,7 @@ RETRY_MAX_S = 5.0
 READ_STEP = 4 << 20
 
 
-class Storage:
+class Storage(ExclusiveCreate):
     """Byte-level access to one checkpoint root over fsspec (see the module doc)."""
 
     caps = Capabilities()  # what this backend can do (a subclass declares its own)
@@ -170,40 +175,6 @@ class Storage:
 
     def _replace(self, full: str, data: bytes) -> None:
         self.fs.pipe_file(full, data)  # one PUT replaces an object atomically
-
-    def create_marker(self, rel: str, data: bytes) -> None:
-        """Create ``rel`` holding ``data``; raise FileExistsError if it already exists.
-
-        A create whose answer was lost may be retried (by :meth:`retrying`, or inside the
-        client, as botocore does) and then find the file it wrote itself: a file there
-        holding exactly ``data`` is taken as ours.  Callers make ``data`` unique to the
-        writer (the lease's owner token, ``COMMITTED``'s manifest digest and time).
-        """
-        faults.check("storage.marker", path=rel)
-        full = self.full_path(rel)
-
-        def once() -> None:
-            try:
-                self._create_once(full, data)
-            except FileExistsError:
-                if self._read_quietly(full) == data:
-                    return
-                raise
-
-        self.retrying("create", rel, once)
-
-    def _create_once(self, full: str, data: bytes) -> None:
-        """One exclusive create: here a check, then a PUT (see the module doc)."""
-        if self.fs.exists(full):
-            raise FileExistsError(full)
-        self.fs.pipe_file(full, data)
-
-    def _read_quietly(self, full: str) -> bytes | None:
-        try:
-            self.fs.invalidate_cache(full)
-            return self.fs.cat_file(full)
-        except Exception:  # noqa: BLE001 - only used to recognise our own earlier write
-            return None
 
     def symlink(self, rel: str, target: str) -> None:
         """Point ``rel`` at ``target`` (relative), replaced atomically, where the backend

@@ -2,10 +2,12 @@
 
 A URI's kind is its fsspec protocol (``s3://b/p`` is ``s3``; a plain path is ``file``).
 Kinds not listed here are served by :class:`~raycheckpoint.storage.base.Storage` itself,
-through plain fsspec calls (``gs://``, ``az://``, ...).  A backend for
-another kind is one module with a :class:`~raycheckpoint.storage.base.Storage` subclass
-(its :class:`~raycheckpoint.storage.spec.Capabilities` and the operations it does
-differently, such as an exclusive create), and a line here.  Backends are imported on
+through plain fsspec calls (``gs://``, ``az://``, ``hdfs://``, ...): it has no atomic
+exclusive create, so such a root serves the operator tools but not a job
+(:mod:`~raycheckpoint.storage.atomic`).  A backend for another kind is one module with a
+:class:`~raycheckpoint.storage.base.Storage` subclass (its
+:class:`~raycheckpoint.storage.spec.Capabilities` and the operations it does
+differently, such as an atomic exclusive create), and a line here.  Backends are imported on
 first use, so a root on local disk never imports s3fs.
 """
 

@@ -5,7 +5,9 @@ tag) is replaced by one PUT, which S3 makes visible whole; an exclusive create
 (``COMMITTED``, the lease) is one conditional PUT (``If-None-Match: *``), which the
 store refuses with 412 when the key exists: recognised by the answer's code or status
 (:func:`~raycheckpoint.storage.retry.is_precondition_failed`), since servers differ in
-what else they send (Ceph's RADOS Gateway: no ``Condition``, an empty message).  An
+what else they send (Ceph's RADOS Gateway: no ``Condition``, an empty message).  A store
+that ignores the condition (and overwrites) is refused for a job's root when the job
+starts: :meth:`S3Storage._prove_atomic_create` makes a probe key twice.  An
 error raised to the caller names the operation, the object's URL and the answer's
 status (:meth:`S3Storage._failure`).  A file's whole body is streamed into the
 caller's buffer (:meth:`S3Storage.read_into`), a retry asking for the bytes not received.
@@ -14,16 +16,18 @@ caller's buffer (:meth:`S3Storage.read_into`), a retry asking for the bytes not 
 from __future__ import annotations
 
 import errno
+import uuid
 from typing import Any
 
 from fsspec.asyn import sync
 
-from raycheckpoint.storage import base
+from raycheckpoint.storage import atomic, base
 from raycheckpoint.storage.base import Received, Storage
 from raycheckpoint.storage.retry import http_answer, is_precondition_failed
 from raycheckpoint.storage.spec import Capabilities
 
 _ERRNO = {FileNotFoundError: errno.ENOENT, PermissionError: errno.EACCES}
+PROBE_PREFIX = ".create-probe-"  # the key _prove_atomic_create makes twice, then deletes
 
 
 class S3Storage(Storage):
@@ -41,6 +45,26 @@ class S3Storage(Storage):
                 raise FileExistsError(errno.EEXIST, f"s3://{full} exists (HTTP 412 to a "
                                       "conditional PUT)") from e
             raise
+
+    def _prove_atomic_create(self, what: str) -> None:
+        """Create a probe key with a conditional PUT, then again: a store that honours
+        ``If-None-Match: *`` refuses the second (412).  One that writes it over the first
+        is refused for ``what``: there two jobs could both create ``LEASE``, and a
+        ``COMMITTED`` be overwritten.  The probe is deleted either way."""
+        rel = f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}"
+        full = self.full_path(rel)
+        self._create_exclusive(rel, b"first " + rel.encode())
+        try:
+            try:
+                self.retrying("create", rel, lambda: self._create_once(full, b"second"))
+            except FileExistsError:
+                return
+            raise atomic.refusal(
+                self, what, why=f"this store wrote a second conditional PUT (If-None-Match: "
+                f"*) of {self.url(rel)} over the first instead of refusing it with HTTP 412: "
+                "it ignores conditional writes")
+        finally:
+            self.retrying("delete", rel, lambda: self.fs.rm_file(full))
 
     def _failure(self, op: str, rel: str, e: Exception) -> Exception:
         """``e`` reworded to name the operation, the object and the store's answer: s3fs's

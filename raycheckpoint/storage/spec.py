@@ -88,8 +88,13 @@ class Capabilities:
     local_paths: bool = False
     # large files can be written around the page cache (O_DIRECT)
     direct_io: bool = False
-    # create_marker is atomic against a concurrent writer (link(2), a conditional PUT)
+    # create_marker is atomic against a concurrent writer (link(2), a conditional PUT):
+    # what a root needs to hold a job's LEASE and its checkpoints' COMMITTED markers
     atomic_create: bool = False
+    # only one job's coordinator ever writes here (actors named after its durable root,
+    # whose lease guards the job): create_marker may check, then write, and is allowed
+    # without atomic_create; such a root is never leased itself
+    job_private: bool = False
     # a `latest` symlink can be kept beside LATEST, for people
     symlinks: bool = False
     # other processes see what is written (memory:// is one process's)
