@@ -141,6 +141,11 @@ class CheckpointConfig(RetentionRules):
     keep_last_n_local: int = 2
     replication_backlog: int = 4
     memory_replicas: int = 0
+    # the memory tier's holders and the per-node directories' agents are detached actors
+    # (they outlive a crashed driver, so a restarted job finds them); one that no job has
+    # used (a copy, a read, a live job's keep-alive) for this many seconds ends itself,
+    # returning its memory to the cluster
+    memory_idle_ttl_s: float = 3600.0
 
     # timeouts (seconds)
     commit_timeout_s: float = 600.0
@@ -177,7 +182,7 @@ class CheckpointConfig(RetentionRules):
             raise ValueError(f"anomaly_window must be >= 1, got {self.anomaly_window!r}")
         for name in ("commit_timeout_s", "save_wait_timeout_s", "rpc_timeout_s",
                      "stall_warn_factor", "size_warn_factor", "slow_warn_factor",
-                     "lease_ttl_s"):
+                     "lease_ttl_s", "memory_idle_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 

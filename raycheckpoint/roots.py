@@ -16,16 +16,26 @@ the coordinator commits through the union of per-node agents
 every rank must read) and refuses a job whose ranks would each see their own disk,
 naming ``local_dir_per_node``.  Per-node directories hold no lease of their own: the
 durable root's lease guards the job.
+
+Once leased, each root's identity is read, or created where the root has none
+(:mod:`~raycheckpoint.protocol.identity`): the memory tier's holders serve the job only
+what was copied under the identities its roots have now, so a wiped root starts afresh.
+The job's driver keeps the tiers' actors (the holders, the per-node agents) alive while
+it runs: at start (:meth:`JobRoots.place`) and then every
+:func:`~raycheckpoint.protocol.nodes.keep_alive_interval` it touches them, and they end
+themselves once no job has touched or used them for ``checkpoint.memory_idle_ttl_s``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from raycheckpoint.config import CheckpointConfig
+from raycheckpoint.protocol.identity import root_identity
 from raycheckpoint.protocol.lease import Lease
 from raycheckpoint.storage import Storage, StorageSpec
 
@@ -41,6 +51,9 @@ class JobRoots:
     memory: StorageSpec | None = None  # the memory tier (memory_replicas): protocol/memory.py
     nodes: StorageSpec | None = None  # per-node local directories, as one root (their agents)
     leases: dict[str, Lease] = field(default_factory=dict)  # "durable" / "local" -> lease
+    identities: dict[str, str] = field(default_factory=dict)  # "durable" / "local" -> identity
+    idle_ttl_s: float = 3600.0  # the tiers' actors end this long after their last use
+    _keeper: threading.Event | None = field(default=None, repr=False)  # set: keep-alive stops
 
     @property
     def write(self) -> StorageSpec:
@@ -55,7 +68,9 @@ class JobRoots:
 
     def place(self, groups: dict[str, list[Any]], timeout_s: float) -> dict[str, list[str]] | None:
         """Where each rank runs (role -> node ids), for the tiers that need it (None where
-        none does); the agents of per-node directories started on those nodes."""
+        none does); the agents of per-node directories started on those nodes; the tiers'
+        actors touched (holders of a wiped root drop their copies now) and kept alive
+        from now until :meth:`release`."""
         if self.memory is None and self.nodes is None:
             return None
         from raycheckpoint.protocol import memory, nodes
@@ -64,22 +79,71 @@ class JobRoots:
         if self.nodes is not None:
             nodes.ensure_on_nodes(nodes.NodeDirAgent, "nodes", self.nodes.open().root,
                                   [n for ns in where.values() for n in ns],
-                                  self.nodes.options["local_dir"], timeout_s=timeout_s)
+                                  self.nodes.options["local_dir"], self.idle_ttl_s,
+                                  timeout_s=timeout_s)
+        self.keep_alive(timeout_s)  # holders of a wiped root drop their copies now
+        self._start_keeping_alive(timeout_s)
         return where
+
+    def _actors(self) -> list[tuple[str, str, str | None]]:
+        """(tier, kind, identity to check) of each tier served by actors."""
+        out = []
+        if self.memory is not None:
+            out.append((self.memory.open().root, "memory", self.memory.options.get("identity")))
+        if self.nodes is not None:
+            out.append((self.nodes.open().root, "nodes", None))
+        return out
+
+    def keep_alive(self, timeout_s: float = 60.0) -> int:
+        """Touch the tiers' live actors (see the module doc); how many answered."""
+        from raycheckpoint.protocol import nodes
+
+        return sum(nodes.keep_alive(tier, kind, idle_ttl_s=self.idle_ttl_s, identity=identity,
+                                    timeout_s=timeout_s)
+                   for tier, kind, identity in self._actors())
+
+    def _start_keeping_alive(self, timeout_s: float) -> None:
+        from raycheckpoint.protocol.nodes import keep_alive_interval
+
+        if self._keeper is not None or not self._actors():
+            return
+        stop = self._keeper = threading.Event()
+        interval = keep_alive_interval(self.idle_ttl_s)
+
+        def run() -> None:
+            import ray
+
+            while not stop.wait(interval) and ray.is_initialized():  # ended with the driver's Ray
+                try:
+                    self.keep_alive(min(timeout_s, interval * 2))
+                except Exception as e:  # noqa: BLE001 - a heartbeat missed; the next one tries again
+                    logger.warning("could not touch the memory tier's holders / the nodes' "
+                                   "agents (they end %.0f s after their last use): %s",
+                                   self.idle_ttl_s, e)
+
+        threading.Thread(target=run, daemon=True, name="raycheckpoint-keep-alive").start()
+
+    def _stop_keeping_alive(self) -> None:
+        if self._keeper is not None:
+            self._keeper.set()
+            self._keeper = None
 
     def end_actors(self) -> None:
         """End the memory tier's holders and the per-node agents (a job's clean end)."""
         from raycheckpoint.protocol import nodes
 
-        for spec, kind in ((self.memory, "memory"), (self.nodes, "nodes")):
-            if spec is not None:
-                nodes.release(spec.open().root, kind)
+        self._stop_keeping_alive()
+        for tier, kind, _ in self._actors():
+            nodes.release(tier, kind)
 
     def lease_id(self, tier: str) -> str | None:
         lease = self.leases.get(tier)
         return None if lease is None else lease.job_id
 
     def release(self) -> None:
+        """The job's end: its leases released, its actors no longer kept alive (they end
+        themselves ``idle_ttl_s`` after their last use unless a job uses them)."""
+        self._stop_keeping_alive()
         for lease in self.leases.values():
             lease.release()
 
@@ -107,37 +171,66 @@ class JobRoots:
                 "checkpoint.local_dir_per_node=true")
 
 
-def open_roots(config: CheckpointConfig, cipher: Any) -> JobRoots:
-    """The job's roots, leased (see the module doc)."""
+def _roots(config: CheckpointConfig, cipher: Any) -> tuple[JobRoots, str | None]:
+    """The job's roots as specs, nothing leased or read yet, and the id its tiers' actors
+    are named after (None without memory tier or per-node directories)."""
     def spec(uri: str, options: dict[str, Any]) -> StorageSpec:
         return StorageSpec(uri, options, retries=config.storage_retries, cipher=cipher,
                            checksum=config.checksum_algorithm, direct_io=config.direct_io)
 
-    roots = JobRoots(durable=spec(config.save_dir, dict(config.storage_options)))
+    roots = JobRoots(durable=spec(config.save_dir, dict(config.storage_options)),
+                     idle_ttl_s=config.memory_idle_ttl_s)
     if config.local_dir is not None:
         roots.local = spec(config.local_dir, {})
+    tid = None
     if config.memory_replicas or config.local_dir_per_node:
         # named after the durable root; their actors start with the job (JobRoots.place)
         from raycheckpoint.protocol import memory, nodes
 
         tid = memory.tier_id(roots.durable.open().url())
-        if config.memory_replicas:
-            roots.memory = spec(memory.tier_uri(tid), {})
         if config.local_dir_per_node:
-            roots.nodes = spec(nodes.tier_uri(tid), {"local_dir": config.local_dir})
-    for tier, s in (("durable", roots.durable), ("local", roots.local)):
-        if s is None or (tier == "local" and roots.nodes is not None):
-            continue
+            roots.nodes = spec(nodes.tier_uri(tid), {"local_dir": config.local_dir,
+                                                     "idle_ttl_s": config.memory_idle_ttl_s})
+    return roots, tid
+
+
+def _memory_spec(roots: JobRoots, config: CheckpointConfig, tid: str) -> StorageSpec:
+    """The memory tier's spec: the holders serve it only what was copied under these
+    roots' identities (``roots.identities``)."""
+    from raycheckpoint.protocol import memory
+
+    return StorageSpec(memory.tier_uri(tid), {
+        "identity": memory.memory_identity(roots.identities["durable"],
+                                           roots.identities.get("local")),
+        "idle_ttl_s": config.memory_idle_ttl_s},
+        retries=config.storage_retries, cipher=roots.durable.cipher,
+        checksum=config.checksum_algorithm, direct_io=config.direct_io)
+
+
+def _file_roots(roots: JobRoots) -> list[tuple[str, StorageSpec]]:
+    """("durable" / "local", spec) of the roots that are one directory or prefix."""
+    return [(tier, s) for tier, s in (("durable", roots.durable), ("local", roots.local))
+            if s is not None and not (tier == "local" and roots.nodes is not None)]
+
+
+def open_roots(config: CheckpointConfig, cipher: Any) -> JobRoots:
+    """The job's roots, leased (see the module doc)."""
+    roots, tid = _roots(config, cipher)
+    for tier, s in _file_roots(roots):
         storage = s.open()
         if not storage.caps.shared:
             raise ValueError(f"{s.uri!r} is process-local (memory://): Ray workers run in other "
                              "processes and cannot write there; use a directory or s3://")
-        if config.lease:  # refuse (naming the holder) before touching anything under a root
-            try:
+        try:
+            storage.require_atomic_create()
+            if config.lease:  # refuse (naming the holder) before touching anything under a root
                 roots.leases[tier] = _lease(storage, config)
-            except BaseException:
-                roots.release()
-                raise
+            roots.identities[tier] = root_identity(storage)
+        except BaseException:
+            roots.release()
+            raise
+    if config.memory_replicas:
+        roots.memory = _memory_spec(roots, config, tid)
     return roots
 
 

@@ -17,6 +17,7 @@ import ray
 from raycheckpoint import Storage, admin
 from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.memory import tier_id, tier_uri
+from raycheckpoint.protocol.paths import CheckpointPaths
 from raycheckpoint.storage.raymem import live_holders
 from tests.helpers import RPC_TIMEOUT, assert_same, full_state, manager, train
 
@@ -61,7 +62,9 @@ def test_resume_reads_memory_first_and_passes_over_a_bad_or_lost_replica(group2,
     files = held(tier)
     assert {p.split("/")[1] for p in files if p.count("/") > 1} == {"step_00000003"}
     assert len(live_holders(tier)) == 1
-    local_files = Storage(local).list_files("step_00000003")
+    # the checkpoint's files (the step directory's CLAIM is the local save's own, not copied)
+    local_files = {p: s for p, s in Storage(local).list_files("step_00000003").items()
+                   if p != CheckpointPaths("step_00000003").claim}
     assert {p: s for p, s in files.items() if p.startswith(f"{tier}/step_")} == {
         f"{tier}/{p}": s for p, s in local_files.items()}
 

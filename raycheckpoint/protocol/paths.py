@@ -26,6 +26,7 @@ CATALOG = "catalog.json"
 VERIFICATION = "verification.json"  # background verification results, by checkpoint
 TAGS_DIR = "tags"
 COMMITTED = "COMMITTED"
+IDENTITY = "IDENTITY"  # a root's random identity, made once: a wiped root gets a new one
 VERSION = "version.json"
 MANIFEST = "manifest.msgpack"
 TRAINER_STATE = "trainer_state.json"

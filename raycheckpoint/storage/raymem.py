@@ -15,7 +15,19 @@ reads, verifies and loads a checkpoint of the memory tier exactly as one on disk
   of every live holder's files;
 * a write (the metadata: manifest, ``COMMITTED``, ``LATEST``, the catalog) goes to every
   live holder, so any one that survives shows the committed checkpoint; a delete
-  reaches every live holder.
+  reaches every live holder;
+* option ``identity`` (a job's spec carries it): every call tells the holders the root
+  identity the job's roots have now, and a holder whose files were copied under another
+  one drops them, so the job never reads them (without it, an operator's look, the
+  holders answer unchecked); option ``idle_ttl_s``: the lifetime of the holders a copy
+  starts (:class:`~raycheckpoint.protocol.nodes.IdleLifetime`).
+
+The exclusive create (``COMMITTED``) is a check, then a write to every live holder: not
+atomic, and allowed because such a root is private to one job (``Capabilities.job_private``,
+:mod:`~raycheckpoint.storage.atomic`).  Its actors are named after the job's durable
+root, whose lease guards the job: a second job on that root is refused before it starts
+any, so the only writer is the coordinator of the job holding that lease.  These roots
+are never leased themselves, and no job's ``save_dir`` or ``local_dir`` can be one.
 
 It needs a Ray connection (the driver's, a worker's or the coordinator's).  Shard files
 are not written through here: the memory tier's replication puts each rank's files in
@@ -138,10 +150,14 @@ class RayMemoryFileSystem(AbstractFileSystem):
     cachable = False  # a fresh view of which holders live on every open
 
     def __init__(self, timeout_s: float = 120.0, local_dir: str | None = None,
+                 identity: str | None = None, idle_ttl_s: float | None = None,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.timeout_s = timeout_s
         self.local_dir = local_dir  # rcnode: this node's directory (a template)
+        self.identity = identity  # the root identity the holders must serve (see the module doc)
+        self.idle_ttl_s = idle_ttl_s  # the lifetime of actors started for this root
+        self._as = {} if identity is None else {"identity": identity}  # each call's keywords
         self._found: tuple[float, str, list[Any]] | None = None  # (when, tier, handles)
 
     @classmethod
@@ -178,7 +194,7 @@ class RayMemoryFileSystem(AbstractFileSystem):
 
     def _listing(self, path: str) -> dict[str, int]:
         merged: dict[str, int] = {}
-        for files in self._each(path, lambda h: h.listing.remote(path)):
+        for files in self._each(path, lambda h: h.listing.remote(path, **self._as)):
             merged.update(files)
         return merged
 
@@ -235,7 +251,8 @@ class RayMemoryFileSystem(AbstractFileSystem):
             holders = self._holders(path, fresh=fresh)
             for h in holders:
                 try:
-                    data = ray.get(h.get.remote(path, start, end), timeout=self.timeout_s)
+                    data = ray.get(h.get.remote(path, start, end, **self._as),
+                                   timeout=self.timeout_s)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
                     continue
                 if isinstance(data, list):  # a holder's file: in the object store
@@ -267,17 +284,17 @@ class RayMemoryFileSystem(AbstractFileSystem):
 
     def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
         path = self._strip_protocol(path)
-        if not self._each(path, lambda h: h.put.remote(path, value), fresh=True):
+        if not self._each(path, lambda h: h.put.remote(path, value, **self._as), fresh=True):
             raise OSError(f"{PROTOCOL}://{path}: no live replica holder to write to")
 
     def rm_file(self, path: str) -> None:
         path = self._strip_protocol(path)
-        self._each(path, lambda h: h.delete.remote(path, False), fresh=True)
+        self._each(path, lambda h: h.delete.remote(path, False, **self._as), fresh=True)
 
     def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
         for p in [path] if isinstance(path, str) else path:
             p = self._strip_protocol(p)
-            self._each(p, lambda h, p=p: h.delete.remote(p, recursive), fresh=True)
+            self._each(p, lambda h, p=p: h.delete.remote(p, recursive, **self._as), fresh=True)
 
     def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
         """Nothing: directories are the prefixes of the held files."""
@@ -304,13 +321,30 @@ class RayMemoryStorage(Storage):
     """A root served by actors (``rcmem://<tier>``, ``rcnode://<tier>``): shared by every
     process of the Ray job that can reach them."""
 
-    caps = Capabilities(shared=True)
+    caps = Capabilities(shared=True, job_private=True)
 
     def url(self, rel: str = "") -> str:
         return f"{self.protocol}://{posixpath.join(self.root, rel) if rel else self.root}"
 
+    @property
+    def identity(self) -> str | None:
+        """The root identity this view's holders must serve (None: unchecked)."""
+        return self.fs.identity
+
+    @property
+    def idle_ttl_s(self) -> float | None:
+        """The lifetime of the actors started for this root (None: until released)."""
+        return self.fs.idle_ttl_s
+
     def _open_size(self, rel: str, f: Any) -> int:
         return f.size  # the bytes are here already: no listing of every holder
+
+    def _create_once(self, full: str, data: bytes) -> None:
+        """A check, then a write to every live holder: not atomic, and it need not be (one
+        job's coordinator is the only writer: see the module doc)."""
+        if self.fs.exists(full):
+            raise FileExistsError(full)
+        self.fs.pipe_file(full, data)
 
     def upload(self, files: dict[str, FileEntry], target: StorageSpec) -> set[str]:
         """Per-node directories: each node's agent copies the files it holds (a file on
