@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raycheckpoint import hf_export
+from raycheckpoint._internal.dcp.safe_pickle import check_role_metadata
 from raycheckpoint.errors import CheckpointNotFoundError, LeaseHeldError, RayCheckpointError
 from raycheckpoint.integrity.crypto import EncryptionKeyError
 from raycheckpoint.integrity.verify import verify_files
@@ -230,6 +231,7 @@ def verify(ref: str, options: dict[str, Any] | None = None, *, step: int | None 
             entry.update(summary(ck))
             try:
                 verify_files(storage, ck.manifest.files, progress)
+                check_role_metadata(storage, ck.manifest.files)  # a re-sealed forgery
                 if hf_export.verify_beside(storage, name) is not None:
                     entry["hf_export"] = hf_export.export_dir(name)
             except RayCheckpointError as e:

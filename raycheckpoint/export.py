@@ -5,7 +5,9 @@ holds one file per saving rank; a tensor's pieces (its chunks, one per rank that
 shard) are found through DCP's ``.metadata`` and read by byte range, so assembling a
 full tensor needs memory for that tensor only.  Every file of the role is verified
 (size and checksum, streamed) before anything is read from it; ``.metadata`` (a pickle)
-is unpickled only once its checksum matches.
+is unpickled only once its checksum matches, and only by the restricted unpickler of
+:mod:`~raycheckpoint._internal.dcp.safe_pickle`: a forged one is refused, nothing it names
+runs.
 
 Export formats:
 
@@ -22,10 +24,8 @@ leading ``model.`` removed.
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import shutil
 import struct
 import tempfile
@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from raycheckpoint._internal.dcp.safe_pickle import load_item, load_metadata
 from raycheckpoint.errors import CheckpointNotFoundError, IntegrityError
 from raycheckpoint.integrity.crypto import MAGIC, check_key
 from raycheckpoint.integrity.verify import read_verified, verify_files
@@ -106,7 +107,7 @@ class RoleReader:
             if rel not in self.files:
                 raise IntegrityError(f"{self.ck.name}: role {self.role!r} saved no tensors", path=rel)
             data = read_verified(self.storage, rel, self.files[rel], decrypt=True)
-            self._metadata = pickle.loads(data)  # noqa: S301 - checksum verified against the manifest
+            self._metadata = load_metadata(data, rel)  # refused, not run, when forged
         return self._metadata
 
     def tensors(self) -> list[TensorInfo]:
@@ -127,22 +128,36 @@ class RoleReader:
                                  "export", path=self.dcp_dir)
         return found
 
+    def read_item(self, fqn: str) -> Any:
+        """A non-tensor item (``other_items``), unpickled as a load does: weights-only."""
+        rel, data = self._record(MetadataIndex(fqn))
+        return load_item(data, rel, fqn)
+
+    def _record(self, index: MetadataIndex) -> tuple[str, bytes]:
+        """The file holding the item at ``index``, and the item's record (plaintext)."""
+        where = self.metadata().storage_data.get(index)
+        if where is None:
+            raise IntegrityError(f"{dcp_metadata(self.dcp_dir)}: lists {index.fqn} without "
+                                 "saying where it is stored", path=dcp_metadata(self.dcp_dir))
+        rel = f"{self.dcp_dir}/{where.relative_path}"
+        if rel not in self.files:
+            raise IntegrityError(f"{rel}: referenced by {DCP_METADATA} but not in the manifest",
+                                 path=rel)
+        if getattr(where, "transform_descriptors", None):
+            raise IntegrityError(f"{rel}: uses DCP stream transforms, which this reader does "
+                                 "not support", path=rel)
+        return rel, self._read_range(rel, where.offset, where.offset + where.length)
+
     def read(self, info: TensorInfo) -> torch.Tensor:
         """The full tensor, assembled from its chunks."""
-        metadata = self.metadata()
-        md = metadata.state_dict_metadata[info.name]
+        md = self.metadata().state_dict_metadata[info.name]
         full = torch.empty(info.shape, dtype=info.dtype)
         for chunk in md.chunks:
-            where = metadata.storage_data[MetadataIndex(info.name, chunk.offsets)]
-            rel = f"{self.dcp_dir}/{where.relative_path}"
-            if rel not in self.files:
-                raise IntegrityError(f"{rel}: referenced by {DCP_METADATA} but not in the manifest",
-                                     path=rel)
-            if getattr(where, "transform_descriptors", None):
-                raise IntegrityError(f"{rel}: uses DCP stream transforms, which this reader does "
-                                     "not support", path=rel)
-            data = self._read_range(rel, where.offset, where.offset + where.length)
-            piece = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            rel, data = self._record(MetadataIndex(info.name, chunk.offsets))
+            piece = load_item(data, rel, info.name)
+            if not isinstance(piece, torch.Tensor):
+                raise IntegrityError(f"{rel}: chunk of {info.name} holds a "
+                                     f"{type(piece).__name__}, not a tensor", path=rel)
             view = full
             for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
                 view = view.narrow(dim, start, length)

@@ -16,8 +16,12 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
+import msgpack
 import numpy as np
 import torch
+
+from raycheckpoint.errors import IntegrityError
+from raycheckpoint.protocol.format import unpack
 
 
 def _b64(data: bytes) -> str:
@@ -52,8 +56,31 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> list[str]:
-    """Restore what ``state`` holds; return the generators it could not restore."""
+def decode_rank_state(rel: str, data: bytes) -> dict[str, Any]:
+    """A rank's extra-state file (``rng/<role>/rank_<r>.msgpack``): ``{"rng", "state"}``.
+    Bytes that match the manifest may still not be one (a re-sealed forgery): an
+    IntegrityError naming ``rel``, so that ``auto`` passes the checkpoint over."""
+    try:
+        extra = unpack(data)
+        if not isinstance(extra, dict) or not isinstance(extra.get("rng"), dict):
+            raise ValueError(f"a {type(extra).__name__} without an 'rng' map")
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise IntegrityError(f"{rel}: holds no rank state ({type(e).__name__}: {e})",
+                             path=rel) from None
+    return extra
+
+
+def restore_rng(state: dict[str, Any], source: str = "trainer_state.json") -> list[str]:
+    """Restore what ``state`` holds; return the generators it could not restore.  State
+    that is not what :func:`capture_rng` wrote is an IntegrityError naming ``source``."""
+    try:
+        return _restore_rng(state)
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+        raise IntegrityError(f"{source}: its RNG state cannot be restored "
+                             f"({type(e).__name__}: {e})", path=source) from None
+
+
+def _restore_rng(state: dict[str, Any]) -> list[str]:
     skipped: list[str] = []
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))

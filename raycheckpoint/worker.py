@@ -60,9 +60,8 @@ from raycheckpoint._internal.persist import SaveTarget, Snapshot
 from raycheckpoint._internal.shard_saver import ShardSaver
 from raycheckpoint.errors import CheckpointSaveError, IntegrityError
 from raycheckpoint.integrity.verify import read_verified
-from raycheckpoint.protocol.format import unpack
 from raycheckpoint.protocol.paths import dcp_metadata
-from raycheckpoint.state import capture_rng, restore_rng
+from raycheckpoint.state import capture_rng, decode_rank_state, restore_rng
 from raycheckpoint.state_dict_cache import StateDictCache, optimizer_state_dict
 from raycheckpoint.storage import FileEntry, StorageSpec
 
@@ -365,12 +364,12 @@ class CheckpointableWorker:
             return [f"{self.ckpt_role}/{self.ckpt_rank}: no saved rank state"]
         data = (read.result(timeout=request.get("wait_timeout_s", 1800.0))
                 if isinstance(read, Future) else read())
-        extra = unpack(data)
+        extra = decode_rank_state(rel, data)
         self.ckpt_load_extra_state(extra.get("state") or {})
         skipped = []
         if request["saved_world_size"] == self.ckpt_world_size:
             skipped += [f"{self.ckpt_role}/{self.ckpt_rank}: rng {s}"
-                        for s in restore_rng(extra["rng"])]
+                        for s in restore_rng(extra["rng"], rel)]
         else:
             skipped.append(f"{self.ckpt_role}/{self.ckpt_rank}: per-rank RNG (world size changed "
                            f"{request['saved_world_size']} -> {self.ckpt_world_size})")

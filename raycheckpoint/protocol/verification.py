@@ -2,8 +2,16 @@
 
 The verifier itself (:mod:`raycheckpoint.verifier`, a Ray actor that reads tensors) is
 handed in as a ``start(spec)`` function by the manager that starts the coordinator: this
-layer never imports the tensor path.  Results are recorded through
-:meth:`RootState.record_verification <raycheckpoint.protocol.root.RootState.record_verification>`.
+layer never imports the tensor path.
+
+What the verifier answers is recorded, passed or failed, through
+:meth:`RootState.record_verification <raycheckpoint.protocol.root.RootState.record_verification>`:
+a checkpoint whose own bytes are bad is an answer (``ok: False``), which ``auto`` resume
+and retention then honour.  A verification that could not run records nothing, and the
+checkpoint stays unverified: the verifier raised (the store could not be read: see
+:func:`raycheckpoint.verifier.could_not_run`), died, did not answer within the timeout,
+or could not be started.  Each is logged as such; a verifier that died, hung or never
+started is replaced by a fresh one for the next checkpoint.
 """
 
 from __future__ import annotations
@@ -70,9 +78,12 @@ class VerificationQueue:
                 if self._actor is None:
                     self._actor = self.start(self.spec)
                 result = ray.get(self._actor.verify.remote(name), timeout=self.timeout_s)
-            except Exception as e:  # noqa: BLE001 - the verifier failed, not the checkpoint
-                logger.warning("background verification of %s could not run: %s", name, e)
-                self._actor = None  # started anew for the next one
+            except Exception as e:  # noqa: BLE001 - the verification could not run (logged)
+                raised = isinstance(e, ray.exceptions.RayTaskError)
+                logger.warning("background verification of %s could not run, nothing is "
+                               "recorded for it: %s", name, self._why_not_run(e))
+                if not raised:  # died, hung or never started: a fresh verifier next time
+                    self._drop_actor()
                 continue
             with self.commit_lock:
                 try:
@@ -83,3 +94,27 @@ class VerificationQueue:
             if recorded:
                 with self._cond:
                     self._results.append(result)
+
+    def _why_not_run(self, e: Exception) -> str:
+        import ray
+
+        if isinstance(e, ray.exceptions.RayTaskError):
+            cause = getattr(e, "cause", None) or e
+            return f"the verifier raised {type(cause).__name__}: {cause}"
+        if isinstance(e, ray.exceptions.RayActorError):
+            return f"the verifier died ({e})"
+        if isinstance(e, ray.exceptions.GetTimeoutError):
+            return f"the verifier did not answer within {self.timeout_s:.0f}s"
+        return f"the verifier could not be started or reached ({type(e).__name__}: {e})"
+
+    def _drop_actor(self) -> None:
+        """End the current verifier (one that hangs would hold its memory) and forget it."""
+        import ray
+
+        actor, self._actor = self._actor, None
+        if actor is None:
+            return
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as e:  # noqa: BLE001 - it is gone already, or Ray is shutting down
+            logger.debug("ending the verifier: %s", e)

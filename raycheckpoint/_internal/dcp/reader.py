@@ -3,10 +3,10 @@ what it reads: the checkpoints :mod:`~raycheckpoint._internal.dcp.writer` writes
 
 * The reader checks every file it opens against the verified manifest (presence,
   size, checksum), and a flipped bit raises :class:`~raycheckpoint.errors.IntegrityError`
-  naming the file.  DCP's pickled ``.metadata`` is verified before it is unpickled.  A
-  local data file's checksum is computed in a helper thread while its tensors are copied
-  out (only tensor records are read before that; non-tensor items, which DCP unpickles,
-  wait for the check), and checked before the load returns;
+  naming the file.  Every pickle is unpickled once verified, and only through
+  :mod:`~raycheckpoint._internal.dcp.safe_pickle` (a re-sealed checksum proves nothing).
+  A local data file's checksum is computed in a helper thread while its tensors are
+  copied out (non-tensor items wait for the check), and checked before the load returns;
 * where the storage has local paths a data file is memory-mapped and each tensor is copied straight from the
   mapping into its destination: no per-item buffer, no intermediate tensor, and for a
   record of the layout the metadata names no zip parsing either
@@ -24,7 +24,6 @@ import contextlib
 import io
 import mmap
 import os
-import pickle
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +38,7 @@ from torch.distributed.checkpoint import (
     Metadata,
     StorageReader,
 )
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
@@ -47,6 +47,7 @@ from torch.futures import Future
 from raycheckpoint._internal.dcp import read_ahead
 from raycheckpoint._internal.dcp.load_plan import copy_run
 from raycheckpoint._internal.dcp.read_ahead import page_in, receive_buffer
+from raycheckpoint._internal.dcp.safe_pickle import load_item, load_metadata
 from raycheckpoint._internal.dcp.torch_records import load_record, record_data_offset, record_tensor
 from raycheckpoint._internal.dcp.writer import DCP_SUFFIX
 from raycheckpoint.errors import IntegrityError
@@ -293,9 +294,9 @@ class VerifyingStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
-            data = self._read_verified(dcp_metadata(self.dcp_dir))
-            self.verified.add(dcp_metadata(self.dcp_dir))
-            metadata = pickle.loads(data)  # noqa: S301 - checksum verified against the manifest
+            rel = dcp_metadata(self.dcp_dir)
+            metadata = load_metadata(self._read_verified(rel), rel)  # no code it names runs
+            self.verified.add(rel)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             self._metadata = metadata
@@ -314,23 +315,23 @@ class VerifyingStorageReader(StorageReader):
     def _read_file(self, file_name: str, reqs: list, planner: LoadPlanner) -> None:
         """Copy ``file_name``'s tensors out while it is verified; then apply its other items.
 
-        Non-tensor items (a learning rate, betas) are records DCP's planner unpickles with
-        torch's full unpickler, so they wait until the whole file has passed its check.
+        Non-tensor items (a learning rate, betas) wait until the whole file has passed its
+        check, and are then unpickled by torch's weights-only unpickler (:func:`_load_bytes`).
         """
         rel = f"{self.dcp_dir}/{file_name}"
-        held: list[tuple[Any, bytes]] = []
+        held: list[tuple[Any, bytearray]] = []
         # grad mode is per thread, so set here too: DTensor.to_local() is then an attribute
         # read (3 against 17 us through autograd), once per item
         with torch.no_grad(), self._open_verified(rel) as blob:
             base = address(blob) if len(blob) and _default_targets(planner) else None
             for req in reqs:
                 if req.type == LoadItemType.BYTE_IO:
-                    held.append((req, bytes(self._record(rel, blob, req))))
+                    held.append((req, bytearray(self._record(rel, blob, req))))
                 else:
                     self._load_tensor(rel, blob, req, planner, base)
         self.verified.add(rel)
         for req, record in held:  # the file verified (or checksums are off)
-            planner.load_bytes(req, io.BytesIO(record))
+            _load_bytes(planner, req, load_item(record, rel, req.storage_index.fqn))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read this rank's items, up to ``parallel_files`` files at once.
@@ -380,3 +381,19 @@ def _default_targets(planner: LoadPlanner) -> bool:
     return isinstance(planner, DefaultLoadPlanner) and all(
         getattr(kind, name) is getattr(DefaultLoadPlanner, name)
         for name in ("resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor"))
+
+
+def _load_bytes(planner: LoadPlanner, req: Any, value: Any) -> None:
+    """Give ``planner`` the non-tensor item ``req``, unpickled (weights-only) as ``value``.
+
+    DCP's planners take it as bytes for torch's full unpickler: a planner doing that as
+    DCP's default one does gets ``value`` put where that one would; any other gets
+    ``value`` pickled anew, so that its unpickler never sees the file's bytes."""
+    if type(planner).load_bytes is not DefaultLoadPlanner.load_bytes:
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        planner.load_bytes(req, io.BytesIO(buf.getvalue()))
+    elif planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[req.dest_index.fqn], value)
+    else:
+        planner.state_dict[req.dest_index.fqn] = value
