@@ -198,22 +198,25 @@ def inspect_checkpoint(ck: VerifiedCheckpoint, *, tensors: bool = True) -> dict[
 
 def verify(ref: str, options: dict[str, Any] | None = None, *, step: int | None = None,
            tag: str | None = None, on_total: Callable[[int], None] | None = None,
-           progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+           progress: Callable[[int], None] | None = None, key: str | None = None
+           ) -> dict[str, Any]:
     """Verify one checkpoint, or (a bare root) every committed checkpoint and the caches.
 
+    ``key`` (an ``env:``/``file:`` reference): an encrypted checkpoint's authenticity is
+    checked too (its marker's MAC, crypto.py); without it, checksums only (a note says so).
     Returns ``{"ok": bool, "checkpoints": [{"name", "ok", "error"?...}], "problems": [...]}``;
     never raises for a corrupt checkpoint (that is a result), only for a bad reference.
     """
     whole_root = not is_checkpoint_dir(ref) and step is None and tag is None
     if whole_root:
-        storage = open_root(ref, options)
+        storage = open_root(ref, options, key=key)
         markers, _, corrupt = catalog.scan_all(storage)
         if not markers and not corrupt:
             raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url()}", ref=ref)
         names = sorted([m.name for m in markers] + list(corrupt),
                        key=lambda n: (parse_step_dir(n), n))
     else:
-        storage, candidates = locate_ref(ref, options, step=step, tag=tag)
+        storage, candidates = locate_ref(ref, options, step=step, tag=tag, key=key)
         names = candidates[:1]
     plans = []
     for name in names:
@@ -241,6 +244,11 @@ def verify(ref: str, options: dict[str, Any] | None = None, *, step: int | None 
             entry["error"] = str(error)
             entry["path"] = getattr(error, "path", None)
         results.append(entry)
+    unchecked = [n for n, ck, _ in plans if ck is not None and ck.manifest.encryption
+                 and storage.cipher is None]
+    if unchecked:
+        problems.append(f"{', '.join(unchecked)}: encrypted; checksums verified, authenticity "
+                        "not checked (pass --encryption-key to check it)")
     if whole_root:
         markers, _ = catalog.scan(storage)
         want = catalog.expected_latest(markers)

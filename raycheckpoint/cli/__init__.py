@@ -3,7 +3,8 @@
 
     raycheckpoint ls ROOT [--local DIR [--memory RAY_ADDRESS]]
     raycheckpoint inspect REF [--all-tensors]
-    raycheckpoint verify REF|ROOT
+    raycheckpoint verify REF|ROOT [--encryption-key KEY]
+    raycheckpoint reseal REF --encryption-key KEY
     raycheckpoint gc ROOT [--dry-run] [--keep-last-n N ...] [--grace-s S]
     raycheckpoint export REF OUT --format hf|state_dict [--role actor]
     raycheckpoint diff REF CONFIG [--fingerprint MODULE:FUNC]
@@ -60,7 +61,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def _add_key(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encryption-key", metavar="env:NAME|file:PATH",
-                   help="key of an encrypted checkpoint (verify needs none)")
+                   help="key of an encrypted checkpoint (verify: checks its authenticity "
+                        "too; without the key, checksums only)")
 
 
 def _add_ref(p: argparse.ArgumentParser, what: str = "REF") -> None:
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="full verification (presence, sizes, checksums); exit 0/1")
     _add_ref(p, "REF|ROOT")
+    _add_key(p)
     _add_common(p)
 
     p = sub.add_parser("gc", help="apply the retention rules and collect leftovers")
@@ -149,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("untag", help="remove a tag")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("name", metavar="NAME")
+    _add_common(p)
+
+    p = sub.add_parser("reseal", help="vouch for an encrypted checkpoint whose marker has no "
+                       "authentication code (written by an older release): check it with the "
+                       "key, then seal its marker")
+    _add_ref(p)
+    p.add_argument("--encryption-key", metavar="env:NAME|file:PATH", required=True,
+                   help="the key the checkpoint was written with")
     _add_common(p)
     return parser
 

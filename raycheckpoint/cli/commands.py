@@ -149,7 +149,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     with progress_bar("verifying", not args.json and sys.stderr.isatty()) as (total, advance):
         doc = admin.verify(args.ref, storage_options(args), step=args.step, tag=args.tag,
-                           on_total=total, progress=advance)
+                           on_total=total, progress=advance, key=args.encryption_key)
     if args.json:
         emit_json(doc)
     else:
@@ -287,5 +287,23 @@ def cmd_untag(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_reseal(args: argparse.Namespace) -> int:
+    from raycheckpoint import admin
+    from raycheckpoint.protocol.reseal import reseal
+
+    storage, names = admin.locate_ref(args.ref, storage_options(args), step=args.step,
+                                      tag=args.tag, key=args.encryption_key)
+    doc = reseal(storage, names[0])
+    if args.json:
+        emit_json(doc)
+    elif doc["sealed"]:
+        make_console().print(f"sealed {doc['name']}: {doc['files']} files verified, "
+                             f"{doc['data_files']} data files authenticated with the key")
+    else:
+        make_console().print(f"{doc['name']} is already sealed with this key")
+    return EXIT_OK
+
+
 COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc,
-            "export": cmd_export, "diff": cmd_diff, "tag": cmd_tag, "untag": cmd_untag}
+            "export": cmd_export, "diff": cmd_diff, "tag": cmd_tag, "untag": cmd_untag,
+            "reseal": cmd_reseal}

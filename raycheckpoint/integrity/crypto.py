@@ -19,6 +19,32 @@ File format (``.enc`` framing inside the usual file names)::
 Chunk ``i`` is encrypted with nonce = file nonce || i (u32 BE) and associated data =
 path || i || last-flag, so a chunk cannot be moved, reordered, dropped or the file
 truncated or renamed without the authentication failing.
+
+Authenticity (DESIGN section 8).  Encryption alone would not stop someone who can write
+the root but has no key from publishing a checkpoint: plaintext shards, a manifest
+without ``encryption``, a trainer state of their choosing, each re-sealed with fresh
+checksums.  So with a key, ``COMMITTED`` carries ``mac``: HMAC-SHA256, keyed with
+``HKDF-SHA256(key, info=`` :data:`MAC_INFO` ``)`` (never the encryption key itself), over
+the canonical JSON of the marker's fields :data:`MARKER_MAC_FIELDS` (sorted keys, no
+spaces, after a JSON round trip; prefixed with :data:`MAC_INFO`).  Those fields hold the
+checkpoint's name (a marker cannot be moved to another step directory) and the
+manifest's size and sha256, and the manifest lists every file with its checksum and the
+key id: the whole checkpoint is authenticated through the marker.  The tag is not
+covered: it is a label (the tag pointers, not the markers, resolve tags), and the memory
+tier drops it from the markers it holds; so a marker stays valid when replicated, byte
+for byte or without its tag.
+
+With a key configured, a reader (:func:`check_marker`, from ``open_verified``: resume,
+``auto``, explicit loads, ``raycheckpoint verify --encryption-key``) refuses, with an
+:class:`AuthenticationError` (an IntegrityError: ``auto`` passes the checkpoint over)
+naming the file: a manifest without ``encryption`` or with another key id, a marker
+without ``mac`` (also one written before markers were authenticated: ``raycheckpoint
+reseal`` vouches for such a checkpoint, :mod:`~raycheckpoint.protocol.reseal`) or with a
+wrong one; and
+:meth:`~raycheckpoint.storage.base.Storage.decrypted` refuses a data file read without
+the header.  Without a key an encrypted root is read as before: checksums catch
+accidents, not forgery, and ``raycheckpoint verify`` says authenticity was not checked.
+Unencrypted roots have no ``mac``.
 """
 
 from __future__ import annotations
@@ -26,8 +52,11 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
+import json
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +67,26 @@ MAGIC = b"RCKPTENC1"
 CHUNK_BYTES = 4 << 20
 TAG_BYTES = 16
 HEADER = struct.Struct(">9sI8s")
+# the HKDF info of the marker's MAC key, and the prefix of what the MAC covers
+MAC_INFO = b"raycheckpoint COMMITTED hmac-sha256 v1"
+# the fields of COMMITTED the MAC covers (all but ``tag`` and ``mac`` itself)
+MARKER_MAC_FIELDS = ("name", "step", "kind", "manifest_size", "manifest_sha256", "bytes",
+                     "metrics", "committed_at")
+# what to do with an encrypted checkpoint whose marker has no MAC (written before markers
+# were authenticated)
+RESEAL = ("vouch for it with `raycheckpoint reseal ROOT/{name} --encryption-key KEY`, which "
+          "checks every encrypted file of it against the key and then seals its marker")
 
 
 class EncryptionKeyError(RayCheckpointError, ValueError):
     """The key is missing, malformed, or not the one a checkpoint was encrypted with."""
+
+
+class AuthenticationError(EncryptionKeyError, IntegrityError):
+    """With a key configured: a checkpoint or file that the key does not vouch for (a
+    plaintext data file, a manifest without the key's id, a marker without or with a
+    wrong MAC).  An IntegrityError, so ``auto`` passes the checkpoint over; ``path``
+    names the file."""
 
 
 def load_key(reference: str) -> bytes:
@@ -93,6 +138,27 @@ class FileCipher:
 
     def describe(self) -> dict[str, Any]:
         return {"algorithm": ALGORITHM, "key_id": self.key_id, "chunk_bytes": self.chunk_bytes}
+
+    def _mac_key(self) -> bytes:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+        return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=MAC_INFO).derive(self.key)
+
+    def marker_mac(self, marker: Mapping[str, Any]) -> str:
+        """The ``mac`` of a ``COMMITTED`` marker (its fields as a mapping; see the module doc)."""
+        return hmac.new(self._mac_key(), _marker_message(marker), hashlib.sha256).hexdigest()
+
+    def authentic(self, marker: Mapping[str, Any]) -> bool:
+        """Whether ``marker`` (its fields, ``mac`` among them) was sealed with this key."""
+        mac = marker.get("mac")
+        if not isinstance(mac, str):
+            return False
+        try:
+            expected = self.marker_mac(marker)
+        except (KeyError, TypeError, ValueError):
+            return False
+        return hmac.compare_digest(mac, expected)
 
     def _aead(self):
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -183,16 +249,57 @@ class ChunkEncryptor:
         return self._seal(bytes(self._buf), last=True)
 
 
-def check_key(encryption: dict[str, Any] | None, cipher: FileCipher | None, name: str) -> None:
-    """Refuse, before reading a tensor, a checkpoint this key cannot decrypt."""
-    if not encryption:
-        return
+def _marker_message(marker: Mapping[str, Any]) -> bytes:
+    """What a marker's MAC covers: :data:`MARKER_MAC_FIELDS`, canonical JSON."""
+    doc = json.loads(json.dumps({k: marker[k] for k in MARKER_MAC_FIELDS}))
+    return MAC_INFO + b"\0" + json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def check_key(encryption: dict[str, Any] | None, cipher: FileCipher | None, name: str,
+              *, path: str | None = None) -> None:
+    """Refuse, before reading a tensor, a checkpoint this key cannot decrypt, or (with a
+    key) one not encrypted with it.  ``path``: the manifest, for the errors to name."""
+    where = f"{path}: " if path else ""
+    path = path or name
     if cipher is None:
-        raise EncryptionKeyError(
-            f"{name} is encrypted ({encryption.get('algorithm')}, key id "
-            f"{encryption.get('key_id')}): set checkpoint.encryption_key (or --encryption-key) "
-            "to the key it was written with", name=name)
+        if encryption:
+            raise EncryptionKeyError(
+                f"{name} is encrypted ({encryption.get('algorithm')}, key id "
+                f"{encryption.get('key_id')}): set checkpoint.encryption_key (or "
+                "--encryption-key) to the key it was written with", name=name)
+        return
+    if not encryption:
+        raise AuthenticationError(
+            f"{where}{name} is not encrypted (its manifest has no 'encryption' entry), and "
+            f"this job has an encryption key (key id {cipher.key_id}): with a key, only "
+            "checkpoints encrypted and authenticated with it are read, as anyone who can write "
+            "the root could have written this one. If you trust it, read it without the key",
+            path=path, name=name)
     if encryption.get("key_id") != cipher.key_id:
+        # not an IntegrityError: `auto` stops here rather than pass over (and quarantine)
+        # every checkpoint written under another key; the person configures the right one
         raise EncryptionKeyError(
-            f"{name} was encrypted with key id {encryption.get('key_id')}; the configured key "
-            f"has id {cipher.key_id} (wrong key)", name=name)
+            f"{where}{name} was encrypted with key id {encryption.get('key_id')}; the "
+            f"configured key has id {cipher.key_id} (wrong key): set the key it was written "
+            "with", name=name)
+
+
+def check_marker(cipher: FileCipher, marker: Mapping[str, Any],
+                 encryption: dict[str, Any] | None, name: str, *, marker_path: str,
+                 manifest_path: str) -> None:
+    """With a key: refuse checkpoint ``name`` unless its manifest records this key
+    (:func:`check_key`) and its marker (``marker``: the fields of ``COMMITTED``, read
+    from ``marker_path``) carries this key's MAC.  AuthenticationError naming the file."""
+    check_key(encryption, cipher, name, path=manifest_path)
+    if not marker.get("mac"):
+        raise AuthenticationError(
+            f"{marker_path}: carries no authentication code, but {name} is encrypted: it was "
+            "written by a raycheckpoint release that did not authenticate checkpoints, or by "
+            f"someone without the key. If you trust it, {RESEAL.format(name=name)}",
+            path=marker_path, name=name)
+    if not cipher.authentic(marker):
+        raise AuthenticationError(
+            f"{marker_path}: its authentication code does not match (key id {cipher.key_id}): "
+            "the marker or the manifest it vouches for was altered, re-sealed or copied from "
+            "another checkpoint by someone without the key; refusing to read it",
+            path=marker_path, name=name)

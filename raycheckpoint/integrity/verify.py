@@ -63,8 +63,10 @@ def missing(rel: str) -> IntegrityError:
 
 def read_verified(storage: Storage, rel: str, expected: FileEntry | None, *,
                   checksums: bool = True, decrypt: bool = False) -> bytes:
-    """``rel``'s bytes, read whole and checked against ``expected``; decrypted (and so
-    authenticated) with ``decrypt`` where the file is encrypted."""
+    """``rel``'s bytes, read whole and checked against ``expected``.  ``decrypt``: a data
+    file (written encrypted where the root has a key), decrypted and so authenticated; with
+    a key, one stored in the clear is refused (:meth:`Storage.decrypted
+    <raycheckpoint.storage.base.Storage.decrypted>`)."""
     try:
         data = storage.read_bytes(rel)
     except FileNotFoundError as e:

@@ -3,7 +3,9 @@
 :func:`open_verified` checks, before any worker reads a tensor:
 
 1. ``COMMITTED`` exists (nothing ever reads an uncommitted step);
-2. the manifest's size and sha256 match the marker;
+2. the manifest's size and sha256 match the marker; with a key (``storage.cipher``), the
+   manifest records that key and the marker carries its MAC
+   (:func:`~raycheckpoint.integrity.crypto.check_marker`: AuthenticationError otherwise);
 3. ``version.json`` (listed in the manifest) is compatible (:func:`check_version`);
 4. every file the manifest lists exists with its recorded size.
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from raycheckpoint.errors import (
@@ -26,6 +28,7 @@ from raycheckpoint.errors import (
     IncompatibleCheckpointError,
     IntegrityError,
 )
+from raycheckpoint.integrity.crypto import check_marker
 from raycheckpoint.integrity.verify import missing, read_verified, verify_files
 from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.format import (
@@ -103,6 +106,9 @@ def open_verified(storage: Storage, name: str) -> VerifiedCheckpoint:
         raise IntegrityError(f"{rel}: does not match the size/sha256 recorded in {COMMITTED}",
                              path=rel)
     manifest = Manifest.from_bytes(data)
+    if storage.cipher is not None:  # with a key, only what the key vouches for (DESIGN 8)
+        check_marker(storage.cipher, asdict(marker), manifest.encryption, name,
+                     marker_path=paths.committed, manifest_path=rel)
     version = json.loads(read_verified(storage, paths.version, manifest.files.get(paths.version)))
     conversions = check_version(version, name)
     trainer_state = json.loads(read_verified(storage, paths.trainer_state,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from raycheckpoint._internal import faults
@@ -94,6 +94,8 @@ def commit(root: RootState, save: SaveRecord) -> dict[str, Any]:
                     manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest(),
                     bytes=manifest.total_bytes + m_entry.size, metrics=save.metrics,
                     tag=save.tag)
+    if s.cipher is not None:  # only the key's holder can publish a checkpoint (DESIGN 8)
+        marker.mac = s.cipher.marker_mac(asdict(marker))
     faults.check("coordinator.before_marker", path=name)
     mark_committed(root, marker, manifest, point="coordinator")
     committed_at = time.time()

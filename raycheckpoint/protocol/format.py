@@ -127,9 +127,15 @@ class Marker:
     metrics: dict[str, float] = field(default_factory=dict)
     tag: str | None = None
     committed_at: float = field(default_factory=time.time)
+    # an encrypted root's: HMAC of the other fields with a key derived from the job's key
+    # (integrity/crypto.py); absent elsewhere
+    mac: str | None = None
 
     def to_bytes(self) -> bytes:
-        return json_bytes(asdict(self))
+        d = asdict(self)
+        if d["mac"] is None:
+            del d["mac"]
+        return json_bytes(d)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Marker:
@@ -137,4 +143,6 @@ class Marker:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     def to_catalog_entry(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        del d["mac"]
+        return d

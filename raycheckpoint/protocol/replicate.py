@@ -23,11 +23,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from raycheckpoint._internal import faults
 from raycheckpoint._internal.priority import lower_priority
 from raycheckpoint.errors import IntegrityError
+from raycheckpoint.integrity.crypto import check_marker
 from raycheckpoint.integrity.verify import CHUNK_BYTES, verify_files
 from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.collect import Collector
@@ -87,7 +89,8 @@ def replicate(source: Storage, target: RootState, name: str) -> dict[str, Any]:
 
 def committed_source(source: Storage, name: str) -> tuple[Marker, bytes, Manifest]:
     """The marker, manifest bytes and manifest of ``name``, committed in ``source``, the
-    manifest checked against its marker (FileNotFoundError: not committed there)."""
+    manifest checked against its marker, and with a key the marker against the key
+    (FileNotFoundError: not committed there; IntegrityError: not what it should be)."""
     marker = catalog.read_marker(source, name)
     if marker is None:
         raise FileNotFoundError(f"{name} is not committed in {source.url()}")
@@ -95,7 +98,11 @@ def committed_source(source: Storage, name: str) -> tuple[Marker, bytes, Manifes
     data = source.read_bytes(rel)
     if len(data) != marker.manifest_size or hashlib.sha256(data).hexdigest() != marker.manifest_sha256:
         raise IntegrityError(f"{rel}: does not match its marker in {source.url()}", path=rel)
-    return marker, data, Manifest.from_bytes(data)
+    manifest = Manifest.from_bytes(data)
+    if source.cipher is not None:  # never spread what the key does not vouch for (crypto.py)
+        check_marker(source.cipher, asdict(marker), manifest.encryption, name,
+                     marker_path=CheckpointPaths(name).committed, manifest_path=rel)
+    return marker, data, manifest
 
 
 class TargetMismatchError(OSError):

@@ -225,11 +225,23 @@ class Storage(ExclusiveCreate):
 
     def decrypted(self, rel: str, data: bytes | bytearray | memoryview
                   ) -> bytes | bytearray | memoryview:
-        """``data`` (verified stored bytes of ``rel``) as plaintext: decrypted if encrypted."""
-        from raycheckpoint.integrity.crypto import MAGIC, EncryptionKeyError
+        """``data`` (verified stored bytes of ``rel``, a file written encrypted where the
+        root has a key) as plaintext.
+
+        With a cipher, the file must carry the encrypted format's header: a plaintext file
+        where an encrypted one belongs is refused (AuthenticationError naming ``rel``), as
+        anyone who can write the root could have put it there.  Without one, a plain file
+        passes through and an encrypted one raises EncryptionKeyError (set the key).
+        """
+        from raycheckpoint.integrity.crypto import MAGIC, AuthenticationError, EncryptionKeyError
 
         if bytes(data[:len(MAGIC)]) != MAGIC:  # memoryview has no startswith
-            return data
+            if self.cipher is None:
+                return data
+            raise AuthenticationError(
+                f"{rel}: stored in the clear, but this root is encrypted (key id "
+                f"{self.cipher.key_id}) and every data file must be encrypted with its key: "
+                "someone without the key put it there; refusing to read it", path=rel)
         if self.cipher is None:
             raise EncryptionKeyError(f"{rel} is encrypted: set checkpoint.encryption_key (or "
                                      "--encryption-key) to the key it was written with")
