@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 
 from raycheckpoint._version import __version__
+from raycheckpoint.errors import IntegrityError
 from raycheckpoint.integrity.digest import READABLE_SINCE
 from raycheckpoint.storage import FileEntry
 
@@ -50,6 +51,20 @@ def pack(obj: Any) -> bytes:
 
 def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def check_relative_path(path: Any, source: str) -> str:
+    """``path`` as a manifest may name it: a string relative to the job root, ``/``
+    separated, with no empty, ``.`` or ``..`` segment, no leading ``/`` or ``~``, no
+    backslash, drive letter, control character or URL scheme; else an IntegrityError
+    naming ``source`` (the manifest is corrupt or forged)."""
+    segments = path.split("/") if isinstance(path, str) else []
+    if (not isinstance(path, str) or not path or "\\" in path or ":" in path
+            or path.startswith("~") or any(ord(c) < 32 or ord(c) == 127 for c in path)
+            or any(s in ("", ".", "..") for s in segments)):
+        raise IntegrityError(f"{source}: corrupt manifest: it lists {path!r}, which is not a "
+                             "plain path relative to the checkpoint root", path=source)
+    return path
 
 
 def version_info(files: Iterable[FileEntry] = ()) -> dict[str, Any]:
@@ -100,18 +115,30 @@ class Manifest:
         })
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Manifest:
-        d = unpack(data)
-        return cls(
-            name=d["name"], step=d["step"], kind=d["kind"], created_at=d["created_at"],
-            format_version=d["format_version"],
-            files={p: FileEntry(p, s, h) for p, s, h in d["files"]},
-            roles={r: RoleLayout(world_size=v["world_size"], dcp_dir=v["dcp_dir"],
-                                 ranks={int(k): list(f) for k, f in v["ranks"].items()},
-                                 identity=v.get("identity"))
-                   for r, v in d["roles"].items()},
-            encryption=d.get("encryption"),
-        )
+    def from_bytes(cls, data: bytes, source: str = "manifest") -> Manifest:
+        """Decode a manifest; anything malformed, or a path that could leave the root (see
+        :func:`check_relative_path`), is an IntegrityError naming ``source`` before any
+        path is opened."""
+        try:
+            d = unpack(data)
+            manifest = cls(
+                name=d["name"], step=d["step"], kind=d["kind"], created_at=d["created_at"],
+                format_version=d["format_version"],
+                files={p: FileEntry(p, s, h) for p, s, h in d["files"]},
+                roles={r: RoleLayout(world_size=v["world_size"], dcp_dir=v["dcp_dir"],
+                                     ranks={int(k): list(f) for k, f in v["ranks"].items()},
+                                     identity=v.get("identity"))
+                       for r, v in d["roles"].items()},
+                encryption=d.get("encryption"),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError,
+                msgpack.exceptions.ExtraData) as e:
+            raise IntegrityError(f"{source}: corrupt manifest ({type(e).__name__}: {e})",
+                                 path=source) from None
+        for path in [*manifest.files, *(layout.dcp_dir for layout in manifest.roles.values()),
+                     *(f for layout in manifest.roles.values() for f in layout.files)]:
+            check_relative_path(path, source)
+        return manifest
 
 
 @dataclass
