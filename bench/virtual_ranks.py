@@ -32,7 +32,7 @@ from typing import Any
 import ray
 
 from raycheckpoint import CheckpointConfig, verify_checkpoint
-from raycheckpoint.protocol import coordinator as checkpoint_coordinator
+from raycheckpoint.protocol import coordinator_actor as checkpoint_coordinator
 from raycheckpoint.storage import StorageSpec
 
 TIMEOUT_S = 1800.0

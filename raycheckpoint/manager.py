@@ -43,7 +43,7 @@ from raycheckpoint.integrity.crypto import FileCipher, load_key
 from raycheckpoint.loader import CheckpointLoader, LoadResult
 from raycheckpoint.metrics import CheckpointMetrics
 from raycheckpoint.policy.retention import RetentionPolicy
-from raycheckpoint.protocol import coordinator
+from raycheckpoint.protocol import coordinator_actor
 from raycheckpoint.roots import open_roots
 from raycheckpoint.save_handle import SaveHandle, SaveTracker
 from raycheckpoint.state import capture_rng
@@ -105,7 +105,7 @@ class CheckpointManager:
         tiered = roots.local is not None
         rpc = config.rpc_timeout_s
         rank_nodes = roots.place(self.groups, rpc)  # per-node agents started: before commits
-        self._coordinator = coordinator.start(
+        self._coordinator = coordinator_actor.start(
             roots.commit, config, roots.lease_id("local" if tiered else "durable"),
             verifier=verifier.start if config.verify_interval else None,
             durable=roots.durable if tiered else None, durable_lease_job_id=roots.lease_id("durable"),

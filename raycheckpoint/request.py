@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from raycheckpoint.protocol.coordinator import NAMESPACE, actor_name
+from raycheckpoint.protocol.coordinator_actor import NAMESPACE, actor_name
 from raycheckpoint.storage import Storage
 
 

@@ -28,8 +28,8 @@ from the markers if they disagree and collects uncommitted leftovers.  Its parts
 root's state (:mod:`~raycheckpoint.protocol.root`), the commit sequence
 (:mod:`~raycheckpoint.protocol.commit`) and collection
 (:mod:`~raycheckpoint.protocol.collect`); this module tracks the saves in flight and
-runs their barrier.  :func:`start` runs it as the job's named Ray actor.  The
-coordinator never looks inside tensors.
+runs their barrier.  :func:`~raycheckpoint.protocol.coordinator_actor.start` runs it
+as the job's named Ray actor.  The coordinator never looks inside tensors.
 """
 
 from __future__ import annotations
@@ -46,55 +46,16 @@ from raycheckpoint.errors import CheckpointSaveError, CommitTimeoutError
 from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol.collect import Collector
 from raycheckpoint.protocol.commit import SaveRecord, commit
-from raycheckpoint.protocol.paths import root_id, step_dir_name, validate_tag
+from raycheckpoint.protocol.paths import step_dir_name, validate_tag
 from raycheckpoint.protocol.root import RootState
 from raycheckpoint.protocol.tiers import Tiers
 from raycheckpoint.protocol.verification import VerificationQueue
-from raycheckpoint.storage import FileEntry, Storage, StorageSpec
+from raycheckpoint.storage import FileEntry, StorageSpec
 
 if TYPE_CHECKING:  # the job's config, handed down by the manager
     from raycheckpoint.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
-
-NAMESPACE = "raycheckpoint"  # the Ray namespace of every job's coordinator actor
-
-
-def actor_name(storage: Storage) -> str:
-    """The Ray actor name of the coordinator of the job writing to ``storage``'s root."""
-    return "coordinator-" + root_id(storage.url())
-
-
-def start(spec: StorageSpec, config: CheckpointConfig, lease_job_id: str | None,
-          verifier: Callable[[StorageSpec], Any] | None = None, *,
-          durable: StorageSpec | None = None, durable_lease_job_id: str | None = None,
-          memory: StorageSpec | None = None) -> Any:
-    """Start the coordinator of ``spec``'s root as a named, threaded Ray actor;
-    ``verifier(spec)`` starts the background verifier when a verification is due.
-    ``durable``: a tiered job's durable root, where committed checkpoints of ``spec``
-    (the local tier) are replicated; the actor is then named after it.  ``memory``: its
-    memory tier (``checkpoint.memory_replicas``)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    name = actor_name((durable or spec).open())
-    # on the driver's node where it can: a coordinator on a worker node dies with that node
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return ray.remote(CheckpointCoordinator).options(
-                name=name, namespace=NAMESPACE, max_concurrency=64, num_cpus=0,
-                scheduling_strategy=here).remote(spec, config, lease_job_id=lease_job_id, verifier=verifier,
-                                   durable=durable, durable_lease_job_id=durable_lease_job_id,
-                                   memory=memory)
-        except ValueError as e:  # the name is held: a previous coordinator still shutting down
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"another checkpoint coordinator ({name}) is running for {config.save_dir}; "
-                    "one job per checkpoint root") from e
-            time.sleep(0.5)
-
 
 class CheckpointCoordinator:
     def __init__(self, storage: StorageSpec, config: CheckpointConfig, *, recover: bool = True,
