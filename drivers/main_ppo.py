@@ -38,10 +38,13 @@ from raycheckpoint import (
     ConfigMismatchError,
     IntegrityError,
     LeaseHeldError,
+    LightCheckpointError,
     ResumableSampler,
-    Storage,
 )
+from raycheckpoint.errors import StorageCapabilityError
+from raycheckpoint.integrity.crypto import EncryptionKeyError, FileCipher, load_key
 from raycheckpoint.resume import preflight
+from raycheckpoint.roots import read_tiers
 from workers.models import Vocab, check_model_dir
 
 
@@ -160,8 +163,12 @@ class Trainer:
                                else self.ckpt_config.resume_from)
             if self.resume_ref is None:
                 raise SystemExit("error: resume_mode=resume_path needs trainer.resume_from_path")
-            preflight(Storage(self.root, self.storage_options), self.resume_ref, self.fingerprint,
-                      dict.fromkeys(roles, self.world), allow_reshard=self.ckpt_config.allow_reshard)
+            # the candidates the load will take, on every tier, in the same order
+            cipher = (FileCipher(load_key(self.ckpt_config.encryption_key))
+                      if self.ckpt_config.encryption_key else None)
+            preflight(read_tiers(self.ckpt_config, cipher), self.resume_ref, self.fingerprint,
+                      dict.fromkeys(roles, self.world), allow_reshard=self.ckpt_config.allow_reshard,
+                      cipher=cipher)
         self.sampler = ResumableSampler(len(self.rows), seed=opts["data.seed"])
         metrics = opts["trainer.metrics_file"] or f"{self.root}/metrics.jsonl"
         self.metrics_file = metrics
@@ -333,12 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_overrides(sys.argv[1:] if argv is None else argv)
     try:
         trainer = Trainer(opts)
-    except (ConfigMismatchError, CheckpointNotFoundError, IntegrityError) as e:
+    except (ConfigMismatchError, CheckpointNotFoundError, IntegrityError,
+            LightCheckpointError, EncryptionKeyError) as e:
         print(f"error: cannot resume: {e}", file=sys.stderr, flush=True)
         return 2
     try:
         trainer.start()
-    except LeaseHeldError as e:
+    except (LeaseHeldError, StorageCapabilityError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     try:

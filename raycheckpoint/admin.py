@@ -94,7 +94,8 @@ def is_checkpoint_dir(ref: str) -> bool:
 
 def list_root(storage: Storage, now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
-    markers, uncommitted, corrupt = catalog.scan_all(storage)
+    scan = catalog.scan_root(storage)
+    markers, uncommitted, corrupt = scan.committed, scan.uncommitted, scan.corrupt
     latest = catalog.read_latest(storage)
     tags = catalog.read_tags(storage)
     verified = catalog.read_verification(storage)
@@ -116,6 +117,12 @@ def list_root(storage: Storage, now: float | None = None) -> dict[str, Any]:
                      "bytes": sum(files.values()), "committed_at": None,
                      "age_s": None if modified is None else max(0.0, now - modified),
                      "latest": name == latest})
+    for name, q in scan.quarantined.items():
+        rows.append({"name": name, "step": q.step, "kind": q.marker.kind, "state": "quarantined",
+                     "tags": by_target.get(name, []), "metrics": dict(q.marker.metrics),
+                     "bytes": q.marker.bytes, "committed_at": q.marker.committed_at or None,
+                     "age_s": max(0.0, now - q.quarantined_at), "latest": name == latest,
+                     "reason": q.reason})
     for name, error in corrupt.items():
         rows.append({"name": name, "step": parse_step_dir(name), "kind": None,
                      "state": "corrupt marker", "tags": by_target.get(name, []), "metrics": {},
@@ -282,8 +289,9 @@ def recorded_retention(storage: Storage) -> dict[str, Any] | None:
 def gc(root: str, options: dict[str, Any] | None = None, *, dry_run: bool = False,
        leftover_grace_s: float = 3600.0, overrides: dict[str, Any] | None = None,
        force: bool = False) -> dict[str, Any]:
-    """Apply the retention rules (the job's recorded ones, then ``overrides``) and collect
-    leftovers: the coordinator's own :class:`~raycheckpoint.protocol.collect.Collector`.
+    """Apply the retention rules (the job's recorded ones, then ``overrides``), collect
+    leftovers and remove superseded quarantined checkpoints: the coordinator's own
+    :class:`~raycheckpoint.protocol.collect.Collector`.
     Refused while a job holds the root's lease (its coordinator applies retention
     itself) unless ``force``."""
     storage = open_root(root, options)
@@ -295,7 +303,8 @@ def gc(root: str, options: dict[str, Any] | None = None, *, dry_run: bool = Fals
     recorded = recorded_retention(storage)
     rules = {**(recorded or {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
     policy = RetentionPolicy(**{k: v for k, v in rules.items() if v is not None})
-    report = Collector(RootState(storage), policy).recover(dry_run=dry_run, grace_s=leftover_grace_s)
+    report = Collector(RootState(storage), policy).recover(dry_run=dry_run, grace_s=leftover_grace_s,
+                                                           quarantined=True)
     report.update(dry_run=dry_run, root=storage.url(), rules=rules,
                   rules_source="recorded by the job" if recorded else "command line only",
                   leftover_grace_s=leftover_grace_s)

@@ -4,8 +4,10 @@
 <raycheckpoint.manager.CheckpointManager.load_checkpoint>` and ``load_model_weights``
 run, in the driver:
 
-1. resolve the reference (:mod:`~raycheckpoint.protocol.refs`; ``"auto"``: every
-   committed full checkpoint, newest first, skipping those that fail verification);
+1. resolve the reference into the checkpoints to try, in order
+   (:mod:`~raycheckpoint.protocol.candidates`, shared with the start-up check;
+   ``"auto"``: every committed full checkpoint, newest first, skipping those that fail
+   verification);
 2. open it verified (:func:`~raycheckpoint.protocol.checkpoint.open_verified`) and check
    the key of an encrypted one;
 3. refuse a light checkpoint, a changed config (:mod:`~raycheckpoint.resume`) or a
@@ -26,26 +28,25 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from raycheckpoint._internal.rpc import get as _get
 from raycheckpoint.config import CheckpointConfig
-from raycheckpoint.errors import (
-    CheckpointNotFoundError,
-    ConfigMismatchError,
-    IntegrityError,
-    LightCheckpointError,
-)
+from raycheckpoint.errors import ConfigMismatchError, IntegrityError, LightCheckpointError
 from raycheckpoint.integrity.crypto import check_key
 from raycheckpoint.integrity.verify import verify_files
-from raycheckpoint.protocol import catalog
+from raycheckpoint.protocol.candidates import (
+    PassedOver,
+    Tier,
+    bad_copies,
+    first_that_opens,
+    resume_candidates,
+)
 from raycheckpoint.protocol.checkpoint import VerifiedCheckpoint, open_verified
-from raycheckpoint.protocol.format import Manifest
-from raycheckpoint.protocol.paths import CheckpointPaths, rng_file
-from raycheckpoint.protocol.refs import locate, resolve
+from raycheckpoint.protocol.paths import rng_file
+from raycheckpoint.protocol.refs import locate
 from raycheckpoint.resume import ResumeReport, format_differences, resume_differences
 from raycheckpoint.state import restore_rng
 from raycheckpoint.storage import Storage, StorageSpec
@@ -66,6 +67,8 @@ class LoadResult:
     report: list[str] = field(default_factory=list, repr=False)  # what debug prints
     tier: str = "root"  # where it was read from (tiered: "memory tier", "local tier", "durable tier")
     load_s: float = 0.0  # opened, verified and loaded into every worker
+    # what ``auto`` did not take for its own bytes (quarantined by the manager)
+    passed_over: list[PassedOver] = field(default_factory=list, repr=False)
 
 
 class CheckpointLoader:
@@ -87,8 +90,7 @@ class CheckpointLoader:
         self.workers_see_root = workers_see_root
         self.durable = durable  # a tiered job's durable root (``storage`` is its local tier)
         self.memory = memory
-        self._durable: Storage | None = None
-        self._memory: Storage | None = None
+        self._tiers: list[Tier] | None = None
         self.config = config
         self.groups = groups
         self.cipher = cipher
@@ -105,108 +107,48 @@ class CheckpointLoader:
 
         A tiered job looks in its memory tier first (when it has one), then in its local
         tier, then in the durable one: ``auto`` takes the newest checkpoint any holds,
-        from the fastest tier where it is complete and verifies."""
+        from the fastest tier where it is complete and verifies
+        (:mod:`~raycheckpoint.protocol.candidates`, which the start-up check shares).
+        ``passed_over`` of the result lists what ``auto`` did not take for its own bytes:
+        the job quarantines those (:meth:`CheckpointManager.load_checkpoint
+        <raycheckpoint.manager.CheckpointManager.load_checkpoint>`)."""
         storage, ref = locate(self.storage, ref, self.config.storage_options)
-        tiers = self._tiers(storage)
-        failures: list[str] = []
-        candidates = self._auto(tiers, failures) if ref == "auto" else self._named(tiers, ref)
-        if not candidates and not failures:
-            return None  # only "auto" resolves to nothing: a fresh root
-        last: IntegrityError | None = None
-        for i, (name, tier) in enumerate(candidates):
-            try:
-                return self._load(tier, name, strict=strict, weights_only=False,
-                                  passed_over=failures)
-            except IntegrityError as e:
-                more = i + 1 < len(candidates)
-                if ref != "auto" and not (more and candidates[i + 1][0] == name):
-                    raise
-                warnings.warn(f"checkpoint {name}{self._in(tier)} failed verification, trying "
-                              + ("its copy in another tier" if more and candidates[i + 1][0] == name
-                                 else "an older one") + f": {e}", RuntimeWarning, stacklevel=3)
-                failures.append(f"{name}{self._in(tier)}: {e}")
-                last = e
-        if ref != "auto" and last is not None:
-            raise last
-        raise CheckpointNotFoundError("no committed full checkpoint verifies: "
-                                      + "; ".join(failures), ref=str(ref))
+        candidates = resume_candidates(self.tiers(storage), ref)
+        result = first_that_opens(candidates, lambda name, tier: self._load(
+            tier, name, strict=strict, weights_only=False,
+            passed_over=[str(p) for p in candidates.passed_over]))
+        if result is not None:
+            result.passed_over = bad_copies(candidates, result.name, result.tier)
+        return result
 
-    def _tiers(self, storage: Storage) -> list[Storage]:
+    def tiers(self, storage: Storage | None = None) -> list[Tier]:
         """Where to look, fastest first: a tiered job's memory, local and durable tiers, else
         the one root (or the root a path reference names)."""
+        storage = self.storage if storage is None else storage
         if storage is not self.storage or self.durable is None:
-            return [storage]
-        if self._durable is None:
-            self._durable = self.durable.open()
-        if self.memory is not None and self._memory is None:
-            self._memory = self.memory.open()
-        return [s for s in (self._memory, self.storage, self._durable) if s is not None]
-
-    def _auto(self, tiers: list[Storage], failures: list[str]) -> list[tuple[str, Storage]]:
-        """Every committed full checkpoint of any tier, newest first; a checkpoint in several
-        tiers comes once per tier, fastest first."""
-        found: dict[str, tuple[tuple[int, float], list[Storage]]] = {}
-        for storage in tiers:
-            markers, _, bad = catalog.scan_all(storage)
-            for name, error in sorted(bad.items()):
-                warnings.warn(f"checkpoint {name}{self._in(storage)} is skipped: {error}",
-                              RuntimeWarning, stacklevel=4)
-                failures.append(f"{name}: {error}")
-            verification = catalog.read_verification(storage)
-            held: dict[str, int] = {}  # the tier's files, listed once when first needed
-            for m in markers:
-                if m.kind != "full":
-                    continue
-                record = verification.get(m.name) or {}
-                if record.get("ok") is False:
-                    warnings.warn(f"checkpoint {m.name}{self._in(storage)} is skipped: it failed "
-                                  f"background verification: {record.get('error')}",
-                                  RuntimeWarning, stacklevel=4)
-                    failures.append(f"{m.name}: failed background verification: "
-                                    f"{record.get('error')}")
-                    continue
-                if self.durable is not None and storage is not self._durable and not _complete(
-                        storage, m.name, held := held or storage.list_files()):
-                    logger.info("%s is not read from the %s: files of it went with a node "
-                                "(its replica holder or its disk)", m.name, self._tier_name(storage))
-                    continue
-                found.setdefault(m.name, (catalog.order_key(m), []))[1].append(storage)
-        ordered = sorted(found.items(), key=lambda kv: kv[1][0], reverse=True)
-        return [(name, s) for name, (_, held) in ordered for s in held]
-
-    @staticmethod
-    def _named(tiers: list[Storage], ref: str | int) -> list[tuple[str, Storage]]:
-        """``ref`` resolved in the first tier that holds it, then the same names in the
-        tiers after it."""
-        for i, storage in enumerate(tiers):
-            try:
-                names = resolve(storage, ref)
-            except CheckpointNotFoundError:
-                if i + 1 == len(tiers):
-                    raise
-                continue
-            out = []
-            for name in names:
-                out += [(name, s) for s in tiers[i:]
-                        if s is storage or catalog.read_marker(s, name) is not None]
-            return out
-        return []
+            return [Tier(storage, "root" if storage is self.storage else "root of the path given")]
+        if self._tiers is None:
+            memory = [] if self.memory is None else [
+                Tier(self.memory.open(), "memory tier", copy=True, memory=True)]
+            self._tiers = [*memory, Tier(self.storage, "local tier", copy=True),
+                           Tier(self.durable.open(), "durable tier")]
+        return self._tiers
 
     def load_weights(self, ref: str | int = "latest") -> LoadResult:
         """Load only model weights from a light or full checkpoint into every worker."""
         storage, ref = locate(self.storage, ref, self.config.storage_options)
         if ref == "auto":
             ref = "latest"
-        name, tier = self._named(self._tiers(storage), ref)[0]
+        name, tier = resume_candidates(self.tiers(storage), ref).tries[0]
         return self._load(tier, name, strict=False, weights_only=True)
 
-    def _load(self, storage: Storage, name: str, *, strict: bool, weights_only: bool,
+    def _load(self, where: Tier, name: str, *, strict: bool, weights_only: bool,
               passed_over: list[str] = ()) -> LoadResult:
         t0 = time.perf_counter()
+        storage, tier = where.storage, where.label
         ck = open_verified(storage, name)
         check_key(ck.manifest.encryption, self.cipher, name)
         report = ResumeReport(ck, passed_over)
-        tier = self._tier_name(storage)
         if self.durable is not None:
             report.check(f"read from the {tier}: {storage.url()}")
         if not weights_only and ck.kind == "light":
@@ -262,7 +204,7 @@ class CheckpointLoader:
         self.workers_loaded()
         ts = ck.trainer_state
         if not weights_only:
-            skipped += [f"driver rng: {s}" for s in restore_rng(ts["rng"])]
+            skipped += [f"driver rng: {s}" for s in restore_rng(ts["rng"], ck.paths.trainer_state)]
             if self.dataloader is not None:
                 if "dataloader" in ts:
                     self.dataloader.load_state_dict(ts["dataloader"])
@@ -283,17 +225,6 @@ class CheckpointLoader:
         if self.config.debug:
             print("\n".join(result.report), flush=True)
         return result
-
-    def _in(self, storage: Storage) -> str:
-        """`` in the local tier`` / `` in the durable tier`` (nothing for a one-root job)."""
-        return "" if self.durable is None else f" in the {self._tier_name(storage)}"
-
-    def _tier_name(self, storage: Storage) -> str:
-        if self.durable is None:
-            return "root" if storage is self.storage else "root of the path given"
-        if storage is self._memory:
-            return "memory tier"
-        return "local tier" if storage is self.storage else "durable tier"
 
     def _requests(self, ck: VerifiedCheckpoint, *, weights_only: bool, strict: bool,
                   storage: StorageSpec | None = None) -> list[tuple[Any, dict[str, Any]]]:
@@ -319,12 +250,3 @@ class CheckpointLoader:
                     "wait_timeout_s": self.config.save_wait_timeout_s, "storage": storage}))
         return out
 
-
-def _complete(storage: Storage, name: str, held: dict[str, int]) -> bool:
-    """Whether ``held`` (``storage``'s files and sizes) has every file ``name``'s manifest
-    lists, at its size (the checksums are checked as the files are read)."""
-    try:
-        manifest = Manifest.from_bytes(storage.read_bytes(CheckpointPaths(name).manifest))
-    except Exception:  # noqa: BLE001 - missing or unreadable: not a complete copy
-        return False
-    return all(held.get(p) == e.size for p, e in manifest.files.items())

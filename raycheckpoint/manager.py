@@ -345,7 +345,17 @@ class CheckpointManager:
         Returns None when ``ref == "auto"`` and the root holds no checkpoint (fresh start).
         """
         result = self._loader.load(ref, strict)
-        if result is not None and result.kind == "full":  # a light one loads weights only
+        if result is None:
+            return None
+        # the job now holds this checkpoint's state (a save of its step reuses it, and
+        # sets any other checkpoint of that step aside); what `auto` passed over for its
+        # own bytes is quarantined
+        holds = (result.kind == "full" and not result.skipped
+                 and result.tier != "root of the path given")
+        _get(self._coordinator.loaded.remote(
+            result.name if holds else None,
+            [(p.name, p.tier.label, p.why) for p in result.passed_over]), self.config.rpc_timeout_s)
+        if result.kind == "full":  # a light one loads weights only
             self.update(step=result.step, epoch=result.trainer_state.get("epoch"),
                         metrics=result.metrics)
             self._stepper.triggers.load_state_dict(result.trainer_state.get("triggers") or {})

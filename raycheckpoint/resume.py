@@ -14,9 +14,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from raycheckpoint.errors import ConfigMismatchError
+from raycheckpoint.errors import ConfigMismatchError, IntegrityError, LightCheckpointError
+from raycheckpoint.integrity.crypto import check_key
+from raycheckpoint.protocol.candidates import Tier, first_that_opens, resume_candidates
 from raycheckpoint.protocol.checkpoint import VerifiedCheckpoint, open_verified
-from raycheckpoint.protocol.refs import locate, resolve
+from raycheckpoint.protocol.refs import locate
 from raycheckpoint.storage import Storage
 
 
@@ -54,23 +56,45 @@ def format_differences(name: str, diffs: list[tuple[str, Any, Any]]) -> str:
             "Resume with the same config, or pass strict=False to load anyway.")
 
 
-def preflight(storage: Storage, ref: str | int, fingerprint: dict[str, Any],
-              world_sizes: dict[str, int], *, allow_reshard: bool) -> str | None:
+def preflight(tiers: list[Tier] | Storage, ref: str | int, fingerprint: dict[str, Any],
+              world_sizes: dict[str, int], *, allow_reshard: bool,
+              cipher: Any = None) -> str | None:
     """Before any worker starts: refuse a strict resume that ``load_checkpoint`` would refuse.
 
-    Checks the checkpoint ``ref`` resolves to first (for ``"auto"``: the newest committed
-    full one); returns its name, or None when ``"auto"`` finds nothing.  Raises
-    ConfigMismatchError listing every difference.
+    ``tiers``: where the job reads checkpoints, fastest first (a single root may be given
+    as its Storage).  It walks exactly the candidates the load walks
+    (:mod:`~raycheckpoint.protocol.candidates`: for ``"auto"``, every committed full
+    checkpoint of every tier, newest first, passing over what fails background
+    verification, has an unreadable marker, or fails to open verified), and checks the
+    first that opens as the load would before any worker reads it: its key, that it is
+    full (named references), that it holds every role, its config and world sizes.
+    Returns its name, or None when ``"auto"`` finds nothing.  Raises
+    ConfigMismatchError listing every difference; CheckpointNotFoundError when no
+    candidate verifies.
     """
-    storage, ref = locate(storage, ref, storage.options)
-    names = resolve(storage, ref)
-    if not names:
-        return None
-    ck = open_verified(storage, names[0])
-    diffs = resume_differences(ck, fingerprint, world_sizes, allow_reshard=allow_reshard)
-    if diffs:
-        raise ConfigMismatchError(format_differences(ck.name, diffs), differences=diffs)
-    return ck.name
+    if isinstance(tiers, Storage):
+        tiers = [Tier(tiers)]
+    storage, ref = locate(tiers[0].storage, ref, tiers[0].storage.options)
+    if storage is not tiers[0].storage:  # a path into another root
+        tiers = [Tier(storage, "root of the path given")]
+
+    def attempt(name: str, tier: Tier) -> str:
+        ck = open_verified(tier.storage, name)
+        check_key(ck.manifest.encryption, cipher, name)
+        if ck.kind == "light":
+            raise LightCheckpointError(f"{name} is a light checkpoint: it cannot resume "
+                                       "training (no optimizer, data-loader or RNG state)",
+                                       name=name)
+        missing_roles = sorted(set(world_sizes) - set(ck.manifest.roles))
+        if missing_roles:
+            raise IntegrityError(f"{name} holds no state for role(s) {missing_roles} (it has "
+                                 f"{sorted(ck.manifest.roles)})", path=name)
+        diffs = resume_differences(ck, fingerprint, world_sizes, allow_reshard=allow_reshard)
+        if diffs:
+            raise ConfigMismatchError(format_differences(ck.name, diffs), differences=diffs)
+        return ck.name
+
+    return first_that_opens(resume_candidates(tiers, ref), attempt)
 
 
 class ResumeReport:

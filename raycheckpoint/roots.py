@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raycheckpoint.config import CheckpointConfig
-from raycheckpoint.protocol.identity import root_identity
+from raycheckpoint.protocol.candidates import Tier
+from raycheckpoint.protocol.identity import read_identity, root_identity
 from raycheckpoint.protocol.lease import Lease
 from raycheckpoint.storage import Storage, StorageSpec
 
@@ -232,6 +233,33 @@ def open_roots(config: CheckpointConfig, cipher: Any) -> JobRoots:
     if config.memory_replicas:
         roots.memory = _memory_spec(roots, config, tid)
     return roots
+
+
+def read_tiers(config: CheckpointConfig, cipher: Any) -> list[Tier]:
+    """Where a job with ``config`` reads checkpoints, fastest first, as its loader does
+    (:mod:`~raycheckpoint.protocol.candidates`), for the start-up check before any worker
+    starts: nothing leased, created or started.  Left out: per-node local directories
+    (their agents start with the workers) and the memory tier where this process has
+    not joined Ray yet or the roots have no identity (a job starting on them drops
+    whatever holders keep); the file tiers hold every name the memory tier may serve."""
+    roots, tid = _roots(config, cipher)
+    for tier, s in _file_roots(roots):
+        identity = read_identity(s.open())
+        if identity is not None:
+            roots.identities[tier] = identity
+    tiers = []
+    if config.memory_replicas and "durable" in roots.identities and (
+            config.local_dir is None or roots.nodes is not None or "local" in roots.identities):
+        import ray
+
+        if ray.is_initialized():
+            tiers.append(Tier(_memory_spec(roots, config, tid).open(), "memory tier",
+                              copy=True, memory=True))
+    if roots.local is None:
+        return [Tier(roots.durable.open())]
+    if roots.nodes is None:
+        tiers.append(Tier(roots.local.open(), "local tier", copy=True))
+    return [*tiers, Tier(roots.durable.open(), "durable tier")]
 
 
 def _lease(storage: Storage, config: CheckpointConfig) -> Lease:

@@ -1,9 +1,11 @@
-"""The coordinator in one process (no Ray): what ``begin`` reads from storage.
+"""The coordinator in one process (no Ray): what ``begin`` reads from storage and which
+step directory it hands out.
 
 ``begin`` runs in training's blocked time, and on an object store a directory listing is
-a request of its own.  It must still clear what an aborted attempt left in the step
-directory it hands out, so the coordinator keeps the step directories that may hold
-files without a marker and lists only those.
+a request of its own.  It never hands out a name an earlier attempt had (a writer of
+that attempt may still be inside its write), so it needs no listing: the coordinator
+keeps the step directories that may hold files without a marker, and a claim decides
+the rest.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import pytest
 
 from raycheckpoint import CheckpointConfig
+from raycheckpoint.protocol.checkpoint import verify_checkpoint
 from raycheckpoint.protocol.coordinator import CheckpointCoordinator
+from raycheckpoint.protocol.paths import CLAIM
 from raycheckpoint.storage import Storage, StorageSpec
 
 
@@ -44,43 +48,53 @@ def _write_and_report(coordinator: CheckpointCoordinator, begun: dict, data: byt
     coordinator.report(begun["save_id"], "actor", 0, [entry.to_dict()], None, 0.0)
 
 
-def test_begin_lists_storage_only_where_an_aborted_save_may_have_left_files(spec):
+def test_begin_never_hands_out_a_name_an_aborted_attempt_had_and_lists_nothing(spec):
     coordinator, listed = _coordinator(spec)
     st: Storage = coordinator.storage
     begun = _begin(coordinator, 1)
-    assert listed == []  # nothing unmarked since the coordinator's own listing
+    assert listed == [] and begun["name"] == "step_00000001"
+    assert st.exists(f"step_00000001/{CLAIM}")
     _write_and_report(coordinator, begun, b"one")
     coordinator.wait(begun["save_id"], 30)
 
     # an attempt at step 2 writes part of its files, then aborts
-    begun = _begin(coordinator, 2)
-    st.write_bytes("step_00000002/actor/__1_0.distcp", b"half-written")
-    coordinator.abort(begun["save_id"], "a rank failed")
+    aborted = _begin(coordinator, 2)
+    st.write_bytes("step_00000002/actor/__0_0.distcp", b"half-written")
+    coordinator.abort(aborted["save_id"], "a rank failed")
     with pytest.raises(Exception, match="a rank failed"):
-        coordinator.wait(begun["save_id"], 30)
+        coordinator.wait(aborted["save_id"], 30)
 
     listed.clear()
-    begun = _begin(coordinator, 2)  # the same step again: its leftover is cleared first
-    assert listed == ["step_00000002"]
-    assert not st.exists("step_00000002/actor/__1_0.distcp")
+    begun = _begin(coordinator, 2)  # the same step again: a directory of its own
+    assert listed == []  # nothing listed in training's blocked time
+    assert begun["name"] == f"step_00000002.{begun['save_id']}"
     _write_and_report(coordinator, begun, b"two")
-    assert coordinator.wait(begun["save_id"], 30)["name"] == "step_00000002"
-    coordinator.wait_cleanup(30)
+    assert coordinator.wait(begun["save_id"], 30)["name"] == begun["name"]
+    assert coordinator.wait_cleanup(30)["collected"] == ["step_00000002"]
+    # the aborted attempt's files are gone; its claim stays, so that name is never reused
+    assert sorted(st.list_files("step_00000002")) == [f"step_00000002/{CLAIM}"]
+    # a writer of the aborted attempt that was still inside its write lands there, not in
+    # the committed checkpoint, which verifies
+    st.write_bytes("step_00000002/actor/__0_0.distcp", b"late zombie bytes")
+    assert verify_checkpoint(st, begun["name"])["files"] >= 1
 
     listed.clear()
-    _begin(coordinator, 3)  # committed and cleaned: nothing to list
+    assert _begin(coordinator, 3)["name"] == "step_00000003"
     assert listed == []
 
 
-def test_a_leftover_kept_by_the_grace_period_is_cleared_when_its_step_is_saved(spec):
+def test_a_leftover_of_a_job_it_does_not_know_is_neither_reused_nor_touched_by_begin(spec):
     coordinator, listed = _coordinator(spec)
     st: Storage = coordinator.storage
     # written within the grace period: kept by gc (a job it does not know may be writing)
-    st.write_bytes("step_00000006/actor/__1_0.distcp", b"recent")
+    st.write_bytes("step_00000006/actor/__0_0.distcp", b"recent")
     assert coordinator.gc(leftover_grace_s=3600)["kept_recent"] == ["step_00000006"]
     listed.clear()
     begun = _begin(coordinator, 6)
-    assert listed == ["step_00000006"]
-    assert not st.exists("step_00000006/actor/__1_0.distcp")
+    assert listed == [] and begun["name"] == f"step_00000006.{begun['save_id']}"
+    assert st.read_bytes("step_00000006/actor/__0_0.distcp") == b"recent"
     _write_and_report(coordinator, begun, b"six")
-    assert coordinator.wait(begun["save_id"], 30)["name"] == "step_00000006"
+    assert coordinator.wait(begun["save_id"], 30)["name"] == begun["name"]
+    # this job holds the lease: after its commit the leftover is collected (it had no claim)
+    assert coordinator.wait_cleanup(30)["collected"] == ["step_00000006"]
+    assert not st.list_files("step_00000006")

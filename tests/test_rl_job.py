@@ -235,3 +235,39 @@ def test_a_job_on_s3_reaches_it_only_through_its_storage_options(ray_head, s3_ro
     assert fs.exists(f"{root}/data/train.jsonl")
     steps = [json.loads(line)["step"] for line in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+# ~120 s (two jobs); the library's side of it runs in the default suite (test_quarantine)
+@pytest.mark.long
+def test_a_damaged_newest_checkpoint_costs_only_its_steps(ray_head, tmp_path):
+    """As a user meets it: the newest checkpoint's ``trainer_state.json`` has a flipped bit
+    (the start-up check's path) and the one before a flipped shard (the workers' load).
+    The same command resumes from the newest that verifies, saves the steps it trains
+    again, and afterwards every committed checkpoint verifies; the damaged ones are
+    quarantined (``raycheckpoint ls``) until ``raycheckpoint gc`` removes them."""
+    from raycheckpoint.admin import gc, list_root, verify
+    from tests.helpers import flip_bit
+
+    root = tmp_path / "run"
+    common = ["trainer.save_freq=2", f"trainer.default_local_dir={root}"]
+    first = submit(ray_head, [*common, "trainer.total_training_steps=8"])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    flip_bit(str(root / "step_00000008" / "trainer_state.json"))
+    flip_bit(str(root / "step_00000006" / "actor" / "__0_0.distcp"))
+
+    again = submit(ray_head, [*common, "trainer.total_training_steps=10",
+                              "trainer.resume_mode=auto"])
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resumed from step_00000004 at step 4" in again.stdout
+    assert sorted(metrics(root)) == list(range(1, 11))
+    rows = {r["name"]: r for r in list_root(Storage(str(root)))["checkpoints"]}
+    assert {n for n, r in rows.items() if r["state"] == "quarantined"} == {
+        "step_00000006", "step_00000008"}
+    committed = sorted(n for n, r in rows.items() if r["state"] == "committed")
+    # steps 6 and 8 trained again and saved again, each in a directory of its own
+    assert [n[:13] for n in committed] == ["step_00000002", "step_00000004", "step_00000006",
+                                            "step_00000008", "step_00000010"]
+    doc = verify(str(root))
+    assert doc["ok"] and sorted(c["name"] for c in doc["checkpoints"]) == committed
+    assert sorted(gc(str(root))["removed_quarantined"]) == ["step_00000006", "step_00000008"]
+    assert verify(str(root))["ok"]

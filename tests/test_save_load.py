@@ -20,7 +20,7 @@ from raycheckpoint import (
     Storage,
     verify_checkpoint,
 )
-from raycheckpoint.protocol.paths import COMMITTED, LATEST
+from raycheckpoint.protocol.paths import CLAIM, COMMITTED, LATEST
 from tests.helpers import (
     a_failed_save_then_a_whole_one,
     arm,
@@ -258,7 +258,9 @@ def test_worker_failure_aborts_and_training_continues(backend, group2, local_roo
         assert m.save_checkpoint().wait(120)["name"] == "step_00000003"
         cleanup = m.wait_for_cleanup(60)  # leftovers are collected after the commit
         assert cleanup["collected"] == ["step_00000002"] and cleanup["error"] is None
-        assert not st.exists("step_00000002")  # the aborted save's leftovers were collected
+        # the aborted save's leftovers were collected; its claim stays (a tombstone), so
+        # no later save is handed the name a late writer of that attempt may write into
+        assert sorted(st.list_files("step_00000002")) == [f"step_00000002/{CLAIM}"]
         assert [s["ok"] for s in m.checkpoint_stats] == [True, False, True]
     finally:
         m.close(60)
@@ -329,11 +331,19 @@ def test_bad_references_and_light_checkpoints(group2, local_root):
         assert m.load_model_weights(2).kind == "light"
         assert m.load_checkpoint("first").step == 1
         assert m.load_checkpoint(os.path.join(local_root, "step_00000001")).step == 1
-        # a save at a step that is already committed returns it (and can add a tag)
+        # a save of the state the job just loaded returns that checkpoint (and can tag it)
         again = m.save_checkpoint(tag="again", step=1)
         assert again.wait(1)["existing"] and m.catalog()["tags"]["again"] == "step_00000001"
-        # a full save at a step that holds a light checkpoint gets its own directory
-        assert m.save_checkpoint(step=2).wait(120)["name"] == "step_00000002_full"
+        # the light checkpoint of step 2 holds another state than the job's (it loaded
+        # step 1): a save of step 2 writes a new checkpoint and sets the light one aside
+        name = m.save_checkpoint(step=2).wait(120)["name"]
+        assert name.startswith("step_00000002.")
+        assert [q["name"] for q in m.catalog()["quarantined"]] == ["step_00000002"]
+        # a light save, then a full one, of one state: the full one goes beside it
+        m.update(step=4)
+        m.save_checkpoint(kind="light").wait(120)
+        assert m.save_checkpoint().wait(120)["name"] == "step_00000004_full"
+        assert m.save_checkpoint().wait(1)["existing"]
     finally:
         m.close(60)
     other = manager(local_root, {"actor": group2}, fingerprint={"algo": "gae", "n": 8})

@@ -66,6 +66,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         out.print(f"LEASE: {state} {lease['holder']}")
     for t, target in sorted(doc["dangling_tags"].items()):
         out.print(f"[yellow]tag {t} points to {target}, which is not committed[/yellow]")
+    for r in doc["checkpoints"]:
+        if r["state"] == "quarantined":
+            out.print(f"[yellow]{r['name']} is quarantined: {r['reason']}; `raycheckpoint gc` "
+                      "removes it once a newer checkpoint holds its step[/yellow]")
     return EXIT_OK
 
 
@@ -192,6 +196,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if doc["kept_recent"]:
         out.print(f"kept (written within {doc['leftover_grace_s']:.0f}s, a save may be in "
                       f"flight): {', '.join(doc['kept_recent'])}")
+    for name in doc.get("removed_quarantined", []):
+        out.print(f"{verb} {name}: quarantined ({doc['quarantined'][name]}), superseded by a "
+                  "newer checkpoint")
+    for name, why in sorted(doc.get("quarantined", {}).items()):
+        if name not in doc.get("removed_quarantined", []):
+            out.print(f"kept {name}: quarantined ({why}); no newer checkpoint holds its step yet")
     if doc["fixed_latest"]:
         out.print(("would repair" if args.dry_run else "repaired") + " LATEST")
     if doc["rebuilt_catalog"]:

@@ -15,10 +15,11 @@ Readers: the coordinator (recovery, retention), resume (resolving a reference), 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from raycheckpoint.errors import IntegrityError
-from raycheckpoint.protocol.format import FORMAT_VERSION, Marker, json_bytes
+from raycheckpoint.protocol.format import FORMAT_VERSION, Marker, Quarantine, json_bytes
 from raycheckpoint.protocol.paths import (
     CATALOG,
     LATEST,
@@ -59,23 +60,61 @@ def read_marker(storage: Storage, name: str) -> Marker | None:
     return marker
 
 
-def scan_all(storage: Storage) -> tuple[list[Marker], list[str], dict[str, IntegrityError]]:
-    """(committed markers oldest first, step dirs without a marker, dirs whose marker is
-    unreadable -> the error).  A corrupt marker is neither committed nor garbage: such a
-    directory is never read and never collected; `raycheckpoint verify` reports it."""
-    committed, uncommitted, corrupt = [], [], {}
+def read_quarantine(storage: Storage, name: str) -> Quarantine | None:
+    """Why ``name`` was set aside (``QUARANTINED``); None when it was not; an unreadable
+    record counts as a quarantine too (its reason says so): it is never read, never
+    collected as garbage."""
+    rel = CheckpointPaths(name).quarantined
+    try:
+        data = storage.read_bytes(rel)
+    except FileNotFoundError:
+        return None
+    try:
+        return Quarantine.from_bytes(data)
+    except (ValueError, KeyError, TypeError) as e:
+        step = parse_step_dir(name) or 0
+        return Quarantine(Marker(name=name, step=step, kind="full", manifest_size=0,
+                                 manifest_sha256="", bytes=0, committed_at=0.0),
+                          f"unreadable {rel} ({type(e).__name__}: {e})", quarantined_at=0.0)
+
+
+@dataclass
+class RootScan:
+    """What the step directories of a root hold (see :func:`scan_root`)."""
+
+    committed: list[Marker]  # oldest first
+    uncommitted: list[str]  # no marker and not quarantined: garbage once no save writes them
+    corrupt: dict[str, IntegrityError]  # an unreadable marker: never read, never collected
+    quarantined: dict[str, Quarantine]  # set aside: never read, removed only by gc
+
+
+def scan_root(storage: Storage) -> RootScan:
+    """Every step directory's state: one read of its marker (and, where it has none, one
+    of ``QUARANTINED``)."""
+    scan = RootScan([], [], {}, {})
     for name in step_dirs(storage):
         try:
             marker = read_marker(storage, name)
         except IntegrityError as e:
-            corrupt[name] = e
+            scan.corrupt[name] = e
             continue
-        if marker is None:
-            uncommitted.append(name)
+        if marker is not None:
+            scan.committed.append(marker)
+        elif (q := read_quarantine(storage, name)) is not None:
+            scan.quarantined[name] = q
         else:
-            committed.append(marker)
-    committed.sort(key=order_key)
-    return committed, uncommitted, corrupt
+            scan.uncommitted.append(name)
+    scan.committed.sort(key=order_key)
+    return scan
+
+
+def scan_all(storage: Storage) -> tuple[list[Marker], list[str], dict[str, IntegrityError]]:
+    """(committed markers oldest first, step dirs without a marker, dirs whose marker is
+    unreadable -> the error).  A corrupt marker is neither committed nor garbage: such a
+    directory is never read and never collected; `raycheckpoint verify` reports it.
+    Quarantined directories are in none of them (:func:`scan_root`)."""
+    scan = scan_root(storage)
+    return scan.committed, scan.uncommitted, scan.corrupt
 
 
 def scan(storage: Storage) -> tuple[list[Marker], list[str]]:
@@ -112,19 +151,23 @@ def expected_latest(markers: list[Marker]) -> str | None:
 
 
 def catalog_doc(markers: list[Marker], tags: dict[str, str],
-                verified: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+                verified: dict[str, dict[str, Any]] | None = None,
+                quarantined: dict[str, Quarantine] | None = None) -> dict[str, Any]:
     entries = []
     for m in sorted(markers, key=order_key):
         entry = m.to_catalog_entry()
         if verified and m.name in verified:
             entry["verified"] = verified[m.name]
         entries.append(entry)
-    return {
+    doc = {
         "format_version": FORMAT_VERSION,
         "latest": expected_latest(markers),
         "tags": dict(sorted(tags.items())),
         "checkpoints": entries,
     }
+    if quarantined:
+        doc["quarantined"] = [q.to_catalog_entry() for _, q in sorted(quarantined.items())]
+    return doc
 
 
 def read_verification(storage: Storage) -> dict[str, dict[str, Any]]:
@@ -158,9 +201,11 @@ def read_catalog(storage: Storage) -> dict[str, Any] | None:
 
 
 def write_catalog(storage: Storage, markers: list[Marker], tags: dict[str, str],
-                  verified: dict[str, dict[str, Any]] | None = None) -> None:
-    """Replace ``catalog.json`` with the catalog of ``markers``, ``tags`` and ``verified``."""
-    storage.write_pointer(CATALOG, json_bytes(catalog_doc(markers, tags, verified)))
+                  verified: dict[str, dict[str, Any]] | None = None,
+                  quarantined: dict[str, Quarantine] | None = None) -> None:
+    """Replace ``catalog.json`` with the catalog of ``markers``, ``tags``, ``verified``
+    and ``quarantined``."""
+    storage.write_pointer(CATALOG, json_bytes(catalog_doc(markers, tags, verified, quarantined)))
 
 
 def write_latest(storage: Storage, name: str) -> None:

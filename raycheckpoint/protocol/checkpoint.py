@@ -90,8 +90,13 @@ def check_version(version: dict[str, Any], name: str) -> list[str]:
     return []
 
 
-def open_verified(storage: Storage, name: str) -> VerifiedCheckpoint:
-    """Read and check a committed checkpoint's metadata and file presence and sizes."""
+def read_committed(storage: Storage, name: str, *, authenticate: bool = True
+                   ) -> tuple[Marker, bytes, Manifest]:
+    """The marker, the manifest's bytes and the manifest of committed checkpoint ``name``:
+    the manifest checked against the marker's size and sha256 and, with a key
+    (``storage.cipher``) unless ``authenticate`` is False, the marker against the key
+    (:func:`~raycheckpoint.integrity.crypto.check_marker`).  CheckpointNotFoundError (a
+    FileNotFoundError) when ``name`` is not committed; IntegrityError naming the file."""
     marker = catalog.read_marker(storage, name)
     if marker is None:
         raise CheckpointNotFoundError(f"{name} has no {COMMITTED} marker; " + available(storage),
@@ -105,10 +110,17 @@ def open_verified(storage: Storage, name: str) -> VerifiedCheckpoint:
     if len(data) != marker.manifest_size or hashlib.sha256(data).hexdigest() != marker.manifest_sha256:
         raise IntegrityError(f"{rel}: does not match the size/sha256 recorded in {COMMITTED}",
                              path=rel)
-    manifest = Manifest.from_bytes(data)
-    if storage.cipher is not None:  # with a key, only what the key vouches for (DESIGN 8)
+    manifest = Manifest.from_bytes(data, rel)
+    if authenticate and storage.cipher is not None:  # only what the key vouches for (DESIGN 8)
         check_marker(storage.cipher, asdict(marker), manifest.encryption, name,
                      marker_path=paths.committed, manifest_path=rel)
+    return marker, data, manifest
+
+
+def open_verified(storage: Storage, name: str) -> VerifiedCheckpoint:
+    """Read and check a committed checkpoint's metadata and file presence and sizes."""
+    marker, _, manifest = read_committed(storage, name)
+    paths = CheckpointPaths(name)
     version = json.loads(read_verified(storage, paths.version, manifest.files.get(paths.version)))
     conversions = check_version(version, name)
     trainer_state = json.loads(read_verified(storage, paths.trainer_state,

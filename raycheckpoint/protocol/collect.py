@@ -7,7 +7,11 @@ after each commit) and ``raycheckpoint gc`` alike.  The rules (DESIGN sections 4
   ``catalog.json`` are rewritten when they disagree with it;
 * a step directory without a marker is garbage once no save is in flight for it (and,
   for ``gc`` beside a job it does not know, once nothing was written there for a grace
-  period);
+  period); a first-choice name's ``CLAIM`` stays as a tombstone for ``TOMBSTONE_S``, so
+  that name is never handed to another save while a writer of the dead attempt may live;
+* a quarantined checkpoint is never collected as garbage nor counted by retention;
+  ``gc`` (``raycheckpoint gc``, :meth:`CheckpointCoordinator.gc`) removes it once a
+  checkpoint committed after it holds its step or a later one;
 * retention never deletes what ``LATEST`` or a tag points to, nor a save in flight, and
   writes the catalog without the doomed checkpoints *before* deleting them, so a crash
   in between leaves committed-but-uncatalogued directories that the next run re-adds
@@ -25,9 +29,14 @@ from raycheckpoint._internal import faults
 from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol import catalog
 from raycheckpoint.protocol.format import Marker
+from raycheckpoint.protocol.paths import CheckpointPaths, first_choice
 from raycheckpoint.protocol.root import RootState
 
 logger = logging.getLogger(__name__)
+
+# how long the claim of an aborted save's first-choice name outlives its files: longer
+# than any writer of a dead job lives (Ray ends a dead job's workers within minutes)
+TOMBSTONE_S = 24 * 3600.0
 
 
 class Collector:
@@ -43,12 +52,15 @@ class Collector:
         self.in_flight = in_flight
         self.also_protected = also_protected  # more names never deleted -> why
 
-    def recover(self, *, dry_run: bool = False, grace_s: float = 0.0) -> dict[str, Any]:
+    def recover(self, *, dry_run: bool = False, grace_s: float = 0.0,
+                quarantined: bool = False) -> dict[str, Any]:
         """Make the caches agree with the markers; collect leftovers; apply retention.
 
         ``dry_run``: report what would change, change nothing.  ``grace_s``: keep
         uncommitted directories written to more recently than this (a save of a job this
-        process does not know may still be writing them).
+        process does not know may still be writing them).  ``quarantined``: also remove
+        the quarantined checkpoints a newer one has superseded (what ``gc`` does; a
+        coordinator starting up does not).
         """
         root = self.root
         uncommitted = root.sync()
@@ -70,7 +82,26 @@ class Collector:
             uncommitted, dry_run=dry_run, grace_s=grace_s)
         report["kept"] = {n: why for n, why in self.explain(markers, tags).items() if why}
         report["deleted"] = self.apply_retention(markers, tags, dry_run=dry_run)
+        report["quarantined"] = {n: q.reason for n, q in sorted(root.quarantined.items())}
+        if quarantined:
+            report["removed_quarantined"] = self.remove_superseded(dry_run=dry_run)
         return report
+
+    def remove_superseded(self, *, dry_run: bool = False) -> list[str]:
+        """Delete the quarantined checkpoints that a checkpoint committed after their
+        quarantine holds the step of, or a later one (``gc``; never automatic)."""
+        root = self.root
+        gone = []
+        for name, q in sorted(root.quarantined.items()):
+            if not any(m.step >= q.step and m.committed_at > q.quarantined_at
+                       for m in root.markers.values()):
+                continue
+            if not dry_run:
+                root.check_lease()
+                root.delete_step(name, root.referenced(root.markers))
+                root.write_catalog()
+            gone.append(name)
+        return gone
 
     def clean_up_after(self, name: str) -> dict[str, Any]:
         """Retention, then the leftovers of aborted saves, after ``name`` committed.
@@ -84,7 +115,8 @@ class Collector:
         try:
             report["deleted"] = self.apply_retention(root.sorted_markers(), dict(root.tags),
                                                      protect=(name,))
-            uncommitted = [n for n in catalog.step_dirs(root.storage) if n not in root.markers]
+            uncommitted = [n for n in catalog.step_dirs(root.storage)
+                           if n not in root.markers and n not in root.quarantined]
             root.unmarked = set(uncommitted) | self.in_flight()
             report["collected"], _ = self.collect_leftovers(uncommitted)
         except Exception as e:  # logged, and reported by wait_cleanup()
@@ -104,14 +136,21 @@ class Collector:
         for name in uncommitted:
             if name in busy:
                 continue
-            if grace_s > 0:
+            claim = CheckpointPaths(name).claim
+            files = root.storage.list_files(name)
+            if set(files) == {claim}:  # a tombstone: gone once no writer of it can live
+                claimed_at = root.claimed_at(name)
+                if claimed_at is not None and now - claimed_at < TOMBSTONE_S:
+                    continue
+            elif grace_s > 0:
                 modified = root.storage.modified(name)
                 if modified is not None and now - modified < grace_s:
                     recent.append(name)
                     continue
             if not dry_run:
                 root.check_lease()
-                root.delete_step(name, referenced)
+                root.delete_step(name, referenced, tombstone=(
+                    claim in files and len(files) > 1 and first_choice(name) == name))
             collected.append(name)
         return collected, recent
 

@@ -3,9 +3,12 @@
 It is a plain class, run as a threaded Ray actor by the manager
 (``ray.remote(CheckpointCoordinator).options(max_concurrency=...)``).  Protocol:
 
-1. ``begin(step, kind, ...)`` reserves a step directory and the set of expected
-   (role, rank) reports; a save still in flight is waited for first (bounded), so two
-   saves of a job never interleave their commits.
+1. ``begin(step, kind, ...)`` reserves a step directory of its own (claimed: see
+   :mod:`~raycheckpoint.protocol.paths`) and the set of expected (role, rank) reports; a
+   save still in flight is waited for first (bounded), so two saves of a job never
+   interleave their commits.  A committed checkpoint of the same step is reused only
+   when it holds the job's state (the one it committed or loaded last: ``loaded``);
+   otherwise it is quarantined.
 2. The driver calls ``await_save(save_id)`` once every worker holds its host copy: the
    commit timeout counts from then, and the call answers when the save has finished, as
    ``wait`` does (it is the driver's handle on the save).  Workers call
@@ -46,6 +49,7 @@ from raycheckpoint.errors import CheckpointSaveError, CommitTimeoutError
 from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol.collect import Collector
 from raycheckpoint.protocol.commit import SaveRecord, commit
+from raycheckpoint.protocol.lineage import Lineage
 from raycheckpoint.protocol.paths import step_dir_name, validate_tag
 from raycheckpoint.protocol.root import RootState
 from raycheckpoint.protocol.tiers import Tiers
@@ -87,6 +91,7 @@ class CheckpointCoordinator:
                                      keep_last_n_light=config.keep_last_n_light)
         self.collector = Collector(self.root, policy, self._in_flight,
                                    also_protected=self._waiting_for_replication)
+        self.lineage = Lineage(self.root, lambda: None if self.tiers is None else self.tiers.durable)
         self.recovery = self._recover() if recover else {}
         if self.tiers is not None:
             self.recovery["replication_resumed"] = self.tiers.resume_pending(
@@ -96,9 +101,11 @@ class CheckpointCoordinator:
                                                 timeout_s=config.save_wait_timeout_s,
                                                 start=verifier)
 
-    def _recover(self, *, dry_run: bool = False, leftover_grace_s: float = 0.0) -> dict[str, Any]:
+    def _recover(self, *, dry_run: bool = False, leftover_grace_s: float = 0.0,
+                 quarantined: bool = False) -> dict[str, Any]:
         with self._commit_lock:
-            return self.collector.recover(dry_run=dry_run, grace_s=leftover_grace_s)
+            return self.collector.recover(dry_run=dry_run, grace_s=leftover_grace_s,
+                                          quarantined=quarantined)
 
     def _local_retention(self, name: str) -> None:
         with self._commit_lock:  # a replication is over: what was kept for it may go
@@ -156,7 +163,11 @@ class CheckpointCoordinator:
               replicate: bool = False) -> dict[str, Any]:
         """Reserve a save.
 
-        Returns ``{"save_id", "name", "reused"}`` or ``{"existing": entry}``.  ``frozen``
+        Returns ``{"save_id", "name", "reused"}``, or ``{"existing": entry}`` when the
+        checkpoint of ``step`` this job committed or loaded last holds what is asked (the
+        same state saved twice).  Any other committed checkpoint of ``step`` is
+        quarantined, and the save gets a step directory no other attempt ever had
+        (:mod:`~raycheckpoint.protocol.lineage`).  ``frozen``
         maps frozen roles to the identity of their weights; a role whose identical weights
         (same identity and world size) are in a committed checkpoint is not written again:
         it is listed in ``reused``, expects no reports, and the manifest references the
@@ -173,28 +184,22 @@ class CheckpointCoordinator:
                                f"{self.config.save_wait_timeout_s}s; not starting another")
         root = self.root
         with self._commit_lock:
-            name = step_dir_name(step)
-            existing = root.markers.get(name)
-            if existing is not None and (existing.kind == "full" or kind == "light"):
+            same = self.lineage.same_state(step)
+            if same is not None and (same.kind == "full" or kind == "light"):
                 if tag is not None:
                     root.reload_tags()
-                    root.write_tag(tag, name)
+                    root.write_tag(tag, same.name)
                     root.write_catalog()
-                return {"existing": existing.to_catalog_entry()}
-            if existing is not None:  # a light checkpoint holds this step; a full one is asked
-                name = step_dir_name(step, upgraded=True)
-                upgraded = root.markers.get(name)
-                if upgraded is not None:
-                    return {"existing": upgraded.to_catalog_entry()}
-            if ((root.unmarked is None or name in root.unmarked)
-                    and self.storage.list_dir(name)):  # leftover of an aborted attempt
-                root.delete_step(name, root.referenced(root.markers))
-            if root.unmarked is not None:
-                root.unmarked.add(name)  # until its marker is written
+                return {"existing": same.to_catalog_entry()}
+            self.lineage.supersede(step, keep=same)
+            save_id = uuid.uuid4().hex[:12]
+            # a light checkpoint of this very state keeps its name; the full one goes beside it
+            name = root.take_dir(step_dir_name(step, upgraded=same is not None), save_id,
+                                 also=None if self.tiers is None else self.tiers.durable.root)
             frozen = dict(frozen or {})
             reused = root.reusable(frozen, world_sizes)
             expected = [e for e in expected if e[0] not in reused]
-            save = SaveRecord(save_id=uuid.uuid4().hex[:12], name=name, step=step, kind=kind, tag=tag,
+            save = SaveRecord(save_id=save_id, name=name, step=step, kind=kind, tag=tag,
                          metrics=dict(metrics), trainer_state=dict(trainer_state),
                          world_sizes=dict(world_sizes), expected={tuple(e) for e in expected},
                          frozen=frozen, reused=reused, replicate=replicate,
@@ -208,6 +213,12 @@ class CheckpointCoordinator:
         threading.Thread(target=self._run, args=(save,), daemon=True,
                          name=f"raycheckpoint-commit-{name}").start()
         return {"save_id": save.save_id, "name": name, "reused": sorted(reused)}
+
+    def loaded(self, name: str | None, passed_over: list[tuple[str, str, str]] = ()) -> list[str]:
+        """The job holds ``name``'s state now; quarantine what ``auto`` passed over
+        (:meth:`Lineage.loaded <raycheckpoint.protocol.lineage.Lineage.loaded>`)."""
+        with self._commit_lock:
+            return self.lineage.loaded(name, list(passed_over))
 
     def snapshotted(self, save_id: str) -> None:
         """Every worker has its host copy: the persist/commit timeout starts now."""
@@ -280,9 +291,11 @@ class CheckpointCoordinator:
 
     def gc(self, *, dry_run: bool = False, leftover_grace_s: float = 0.0) -> dict[str, Any]:
         """Re-read storage, repair LATEST/catalog, collect leftovers, apply retention
-        (idempotent): :meth:`Collector.recover <raycheckpoint.protocol.collect.Collector.recover>`,
+        (idempotent), remove superseded quarantined checkpoints:
+        :meth:`Collector.recover <raycheckpoint.protocol.collect.Collector.recover>`,
         which ``raycheckpoint gc`` runs too."""
-        return self._recover(dry_run=dry_run, leftover_grace_s=leftover_grace_s)
+        return self._recover(dry_run=dry_run, leftover_grace_s=leftover_grace_s,
+                             quarantined=True)
 
     # ---- commit --------------------------------------------------------------------------------
 
@@ -325,6 +338,7 @@ class CheckpointCoordinator:
                     failures={"coordinator": repr(e)}))
                 return
             result["commit_s"] = time.perf_counter() - t0  # all reports in -> committed
+            self.lineage.committed(save.name)
             if self.tiers is not None:  # queued before any waiter hears of the commit
                 self.tiers.committed(save.name, kind=save.kind, tag=save.tag,
                                      always=save.replicate, step=save.step, metrics=save.metrics)

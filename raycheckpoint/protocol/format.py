@@ -173,3 +173,36 @@ class Marker:
         d = asdict(self)
         del d["mac"]
         return d
+
+
+@dataclass
+class Quarantine:
+    """Content of ``QUARANTINED``: a committed checkpoint set aside (paths.py), its marker
+    kept as it was, with why and when."""
+
+    marker: Marker
+    reason: str
+    quarantined_at: float = field(default_factory=time.time)
+
+    @property
+    def name(self) -> str:
+        return self.marker.name
+
+    @property
+    def step(self) -> int:
+        return self.marker.step
+
+    def to_bytes(self) -> bytes:
+        return json_bytes({"marker": asdict(self.marker), "reason": self.reason,
+                           "quarantined_at": self.quarantined_at})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Quarantine:
+        d = json.loads(data)
+        marker = Marker.from_bytes(json_bytes(d["marker"]))
+        return cls(marker=marker, reason=str(d["reason"]),
+                   quarantined_at=float(d["quarantined_at"]))
+
+    def to_catalog_entry(self) -> dict[str, Any]:
+        return {"name": self.name, "step": self.step, "kind": self.marker.kind,
+                "reason": self.reason, "quarantined_at": self.quarantined_at}

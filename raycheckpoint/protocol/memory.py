@@ -48,11 +48,12 @@ from typing import Any
 from raycheckpoint.errors import IntegrityError
 from raycheckpoint.integrity.verify import verify_bytes
 from raycheckpoint.protocol import catalog
+from raycheckpoint.protocol.checkpoint import read_committed
 from raycheckpoint.protocol.commit import mark_committed
 from raycheckpoint.protocol.nodes import IdleLifetime, ensure_on_nodes
 from raycheckpoint.protocol.nodes import release as release_actors
 from raycheckpoint.protocol.paths import CheckpointPaths, root_id
-from raycheckpoint.protocol.replicate import TargetMismatchError, committed_source
+from raycheckpoint.protocol.replicate import TargetMismatchError
 from raycheckpoint.protocol.root import RootState
 from raycheckpoint.storage import FileEntry, Storage
 from raycheckpoint.storage.raymem import PROTOCOL
@@ -223,7 +224,7 @@ def replicate_to_memory(source: Storage, target: RootState, name: str,
     import ray
 
     t0 = time.perf_counter()
-    marker, manifest_bytes, manifest = committed_source(source, name)
+    marker, manifest_bytes, manifest = read_committed(source, name)
     paths = CheckpointPaths(name)
     tier = target.storage.root
     where = placement(rank_nodes, replicas)

@@ -4,10 +4,26 @@ Layout of one job root (DESIGN section 3), paths relative to the root as
 :class:`~raycheckpoint.storage.Storage` takes them::
 
     LEASE  LATEST  latest  catalog.json  verification.json  tags/<tag>
-    step_00001000/ COMMITTED version.json manifest.msgpack trainer_state.json
+    step_00001000/ CLAIM COMMITTED version.json manifest.msgpack trainer_state.json
                    rng/<role>/rank_<r>.msgpack  <role>/  (DCP directory per role)
                    assets/<role>/<file>  (e.g. a Hugging Face config.json and tokenizer
                                           files, written by rank 0 for export)
+    step_00001000.3f9a0c2b71de/   a later save of the same step (see below)
+
+One directory per save attempt.  A save's first choice of name is ``step_<step>``
+(``step_<step>_full`` where a light checkpoint of the same state holds that name); it
+takes it only by creating its ``CLAIM`` exclusively.  Where that name was ever handed
+to another attempt (committed, quarantined, aborted, or a tombstone of one: see
+:mod:`~raycheckpoint.protocol.collect`), the save takes ``<first choice>.<save id>``,
+a name no other attempt ever had.  So every file a save writes lies under a directory
+that belongs to that save alone: a writer of a dead job still inside a write can never
+change a checkpoint another save commits.
+
+A committed checkpoint that a job passed over (damaged, failed verification) or
+superseded (a new save of its step after a resume from an older one) is quarantined:
+its ``COMMITTED`` is replaced by ``QUARANTINED`` (the marker, the reason and when), so
+nothing reads it as committed any more, and ``raycheckpoint gc`` removes it once a
+newer checkpoint holds its step or a later one.
 
 The root-level names are constants; a checkpoint's paths come from one
 :class:`CheckpointPaths` (step directory name, role, rank -> path).
@@ -20,13 +36,15 @@ import re
 from dataclasses import dataclass
 
 LEASE = "LEASE"
+IDENTITY = "IDENTITY"  # a root's random identity, made once: a wiped root gets a new one
 LATEST = "LATEST"
 LATEST_LINK = "latest"
 CATALOG = "catalog.json"
 VERIFICATION = "verification.json"  # background verification results, by checkpoint
 TAGS_DIR = "tags"
 COMMITTED = "COMMITTED"
-IDENTITY = "IDENTITY"  # a root's random identity, made once: a wiped root gets a new one
+CLAIM = "CLAIM"  # created exclusively by the save that takes a step directory's name
+QUARANTINED = "QUARANTINED"  # a committed checkpoint set aside: its marker, and why
 VERSION = "version.json"
 MANIFEST = "manifest.msgpack"
 TRAINER_STATE = "trainer_state.json"
@@ -34,7 +52,7 @@ RNG_DIR = "rng"
 ASSETS_DIR = "assets"
 DCP_METADATA = ".metadata"  # torch DCP's own metadata file in a role's directory
 
-_STEP_DIR = re.compile(r"^step_(\d{8,})(_full)?$")
+_STEP_DIR = re.compile(r"^step_(\d{8,})(_full)?(\.[0-9a-f]{12})?$")
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 
 
@@ -43,6 +61,21 @@ def step_dir_name(step: int, *, upgraded: bool = False) -> str:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return f"step_{step:08d}" + ("_full" if upgraded else "")
+
+
+def attempt_dir_name(first_choice: str, save_id: str) -> str:
+    """The name a save takes when its first choice was ever another attempt's."""
+    name = f"{first_choice}.{save_id}"
+    if parse_step_dir(name) is None:
+        raise ValueError(f"not a step directory name with a save id: {name!r}")
+    return name
+
+
+def first_choice(name: str) -> str:
+    """``step_00000008`` of ``step_00000008.<save id>`` (a name that is its own first
+    choice is returned as it is)."""
+    m = _STEP_DIR.match(name)
+    return name if m is None or m.group(3) is None else name[:m.start(3)]
 
 
 def parse_step_dir(name: str) -> int | None:
@@ -88,6 +121,8 @@ class CheckpointPaths:
     name: str
 
     committed = _in_step(COMMITTED)
+    claim = _in_step(CLAIM)
+    quarantined = _in_step(QUARANTINED)
     manifest = _in_step(MANIFEST)
     version = _in_step(VERSION)
     trainer_state = _in_step(TRAINER_STATE)

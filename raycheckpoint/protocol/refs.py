@@ -19,11 +19,15 @@ from raycheckpoint.storage import Storage
 
 def available(storage: Storage) -> str:
     """What ``storage`` holds, for an error message."""
-    markers, _ = catalog.scan(storage)
+    scan = catalog.scan_root(storage)
     tags = catalog.read_tags(storage)
-    names = ", ".join(f"{m.name} ({m.kind})" for m in markers) or "none"
+    names = ", ".join(f"{m.name} ({m.kind})" for m in scan.committed) or "none"
     tag_text = ", ".join(f"{t} -> {n}" for t, n in sorted(tags.items())) or "none"
-    return f"committed checkpoints under {storage.url()}: {names}; tags: {tag_text}"
+    text = f"committed checkpoints under {storage.url()}: {names}; tags: {tag_text}"
+    if scan.quarantined:
+        text += "; quarantined (never loaded): " + ", ".join(
+            f"{n} ({q.reason})" for n, q in sorted(scan.quarantined.items()))
+    return text
 
 
 def split_path_ref(ref: str) -> tuple[str, str] | None:

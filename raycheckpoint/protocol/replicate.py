@@ -18,23 +18,20 @@ tier; saves to the source tier go on meanwhile.  Which checkpoints go where, and
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from raycheckpoint._internal import faults
 from raycheckpoint._internal.priority import lower_priority
 from raycheckpoint.errors import IntegrityError
-from raycheckpoint.integrity.crypto import check_marker
 from raycheckpoint.integrity.verify import CHUNK_BYTES, verify_files
 from raycheckpoint.protocol import catalog
+from raycheckpoint.protocol.checkpoint import read_committed
 from raycheckpoint.protocol.collect import Collector
 from raycheckpoint.protocol.commit import mark_committed
-from raycheckpoint.protocol.format import Manifest, Marker
 from raycheckpoint.protocol.paths import CheckpointPaths, parse_step_dir
 from raycheckpoint.protocol.root import RootState
 from raycheckpoint.storage import FileEntry, Storage
@@ -52,11 +49,20 @@ def replicate(source: Storage, target: RootState, name: str) -> dict[str, Any]:
     target all the same.
     """
     t0 = time.perf_counter()
-    marker, manifest_bytes, manifest = committed_source(source, name)
+    marker, manifest_bytes, manifest = read_committed(source, name)
     paths = CheckpointPaths(name)
-    if catalog.read_marker(target.storage, name) is not None:
+    there = catalog.read_marker(target.storage, name)
+    if there is not None:
+        if there.manifest_sha256 != marker.manifest_sha256:  # never mix two saves' files
+            raise IntegrityError(
+                f"{target.storage.url(name)} is another save's checkpoint under the same name "
+                f"(its manifest differs from {source.url(name)}'s): not replicated; set it "
+                "aside (quarantine) or remove it to replicate this one", path=name)
         return {"name": name, "bytes": 0, "files": len(manifest.files), "copied": 0,
                 "s": time.perf_counter() - t0, "already": True}
+    if name in target.quarantined:
+        raise IntegrityError(f"{target.storage.url(name)} holds a quarantined checkpoint of "
+                             "that name: not replicated over it", path=name)
     if target.storage.list_dir(name):  # the leftover of a copy cut short
         target.delete_step(name, target.referenced(target.markers))
     todo = {path: entry for path, entry in sorted(manifest.files.items())
@@ -82,27 +88,14 @@ def replicate(source: Storage, target: RootState, name: str) -> dict[str, Any]:
         raise IntegrityError(f"{target.storage.url(paths.manifest)}: written bytes do not match "
                              "the marker", path=paths.manifest)
     faults.check("replicate.before_marker", path=name)
+    # the source set aside the other checkpoints of this step when it saved this one
+    for other in [m.name for m in target.sorted_markers()
+                  if m.step == marker.step and m.committed_at < marker.committed_at]:
+        target.quarantine(other, f"superseded by {name}, a newer save of step {marker.step} "
+                          f"replicated from {source.url()}")
     mark_committed(target, marker, manifest, point="replicate")
     return {"name": name, "bytes": marker.bytes, "files": len(manifest.files), "copied": copied,
             "uploaded_at_source": len(uploaded), "s": time.perf_counter() - t0}
-
-
-def committed_source(source: Storage, name: str) -> tuple[Marker, bytes, Manifest]:
-    """The marker, manifest bytes and manifest of ``name``, committed in ``source``, the
-    manifest checked against its marker, and with a key the marker against the key
-    (FileNotFoundError: not committed there; IntegrityError: not what it should be)."""
-    marker = catalog.read_marker(source, name)
-    if marker is None:
-        raise FileNotFoundError(f"{name} is not committed in {source.url()}")
-    rel = CheckpointPaths(name).manifest
-    data = source.read_bytes(rel)
-    if len(data) != marker.manifest_size or hashlib.sha256(data).hexdigest() != marker.manifest_sha256:
-        raise IntegrityError(f"{rel}: does not match its marker in {source.url()}", path=rel)
-    manifest = Manifest.from_bytes(data)
-    if source.cipher is not None:  # never spread what the key does not vouch for (crypto.py)
-        check_marker(source.cipher, asdict(marker), manifest.encryption, name,
-                     marker_path=CheckpointPaths(name).committed, manifest_path=rel)
-    return marker, data, manifest
 
 
 class TargetMismatchError(OSError):

@@ -22,11 +22,10 @@ Called by the ``raycheckpoint`` command; free of Ray and torch.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, replace
 from typing import Any
 
-from raycheckpoint.errors import CheckpointNotFoundError, IntegrityError, LeaseHeldError
+from raycheckpoint.errors import LeaseHeldError
 from raycheckpoint.integrity.crypto import (
     HEADER,
     MAGIC,
@@ -35,11 +34,11 @@ from raycheckpoint.integrity.crypto import (
     EncryptionKeyError,
     check_key,
 )
-from raycheckpoint.integrity.verify import missing, verify_files
-from raycheckpoint.protocol import catalog
+from raycheckpoint.integrity.verify import verify_files
+from raycheckpoint.protocol.checkpoint import read_committed
 from raycheckpoint.protocol.format import Manifest
 from raycheckpoint.protocol.lease import read_lease
-from raycheckpoint.protocol.paths import COMMITTED, RNG_DIR, CheckpointPaths
+from raycheckpoint.protocol.paths import RNG_DIR, CheckpointPaths
 from raycheckpoint.storage import Storage
 
 # plaintext bytes authenticated per read of a data file
@@ -57,20 +56,9 @@ def reseal(storage: Storage, name: str) -> dict[str, Any]:
     if lease is not None and lease.fresh():
         raise LeaseHeldError(f"{storage.url()} is in use by {lease.describe()}; reseal its "
                              "checkpoints once the job has stopped", holder=lease.job_name)
-    marker = catalog.read_marker(storage, name)
-    if marker is None:
-        raise CheckpointNotFoundError(f"{name} has no {COMMITTED} marker under {storage.url()}",
-                                      ref=name)
+    marker, _, manifest = read_committed(storage, name, authenticate=False)
     paths = CheckpointPaths(name)
     rel = paths.manifest
-    try:
-        data = storage.read_bytes(rel)
-    except FileNotFoundError as e:
-        raise missing(rel) from e
-    if len(data) != marker.manifest_size or hashlib.sha256(data).hexdigest() != marker.manifest_sha256:
-        raise IntegrityError(f"{rel}: does not match the size/sha256 recorded in {COMMITTED}",
-                             path=rel)
-    manifest = Manifest.from_bytes(data)
     check_key(manifest.encryption, cipher, name, path=rel)
     result = {"name": name, "files": len(manifest.files)}
     if marker.mac is not None:

@@ -5,10 +5,16 @@ what storage holds and a commit costs few metadata reads:
 
 * the committed markers and the tags (reloaded by :meth:`RootState.sync`);
 * the manifests it has read or written;
+* the quarantined checkpoints (``QUARANTINED``: set aside, never read, see paths.py);
 * the step directories that may hold files but no marker (an aborted save, a deletion
-  cut short): ``begin`` clears such a directory before a save writes there, and lists
-  storage (a LIST request on an object store, in training's blocked time) only for
-  those.  ``None`` until the first listing: every step directory is listed then.
+  cut short): ``begin`` never hands such a name to a save again, and lists storage (a
+  LIST request on an object store, in training's blocked time) only for those.
+  ``None`` until the first listing: every step directory is listed then.
+
+A save takes its step directory's name by creating its ``CLAIM`` exclusively
+(:meth:`RootState.claim`); collecting an aborted save's directory keeps that claim as a
+tombstone (:meth:`RootState.delete_step` with ``tombstone=True``), so a writer of a
+dead job still inside that directory can never write into a later save's files.
 
 Deleting a checkpoint removes its marker first, so a half-deleted directory is mere
 garbage; files another manifest references (deduplicated frozen weights) are kept.
@@ -19,14 +25,20 @@ verification results) and every delete the lease is checked
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import time
 from collections.abc import Iterable
+from dataclasses import asdict
 from typing import Any
 
+from raycheckpoint.errors import IntegrityError
+from raycheckpoint.integrity.crypto import check_marker
 from raycheckpoint.protocol import catalog
-from raycheckpoint.protocol.format import Manifest, Marker
+from raycheckpoint.protocol.format import Manifest, Marker, Quarantine, json_bytes
 from raycheckpoint.protocol.lease import check_held
-from raycheckpoint.protocol.paths import CheckpointPaths
+from raycheckpoint.protocol.paths import CheckpointPaths, attempt_dir_name
 from raycheckpoint.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -42,18 +54,21 @@ class RootState:
         self.markers: dict[str, Marker] = {}
         self.tags: dict[str, str] = {}
         self.verified: dict[str, dict[str, Any]] = {}  # background verification results
+        self.quarantined: dict[str, Quarantine] = {}
         self.unmarked: set[str] | None = None
         self._manifests: dict[str, Manifest] = {}
 
     # ---- reading ------------------------------------------------------------------------
 
     def sync(self) -> list[str]:
-        """Reload the markers and tags from storage; return the uncommitted step dirs."""
-        markers, uncommitted = catalog.scan(self.storage)
-        self.markers = {m.name: m for m in markers}
+        """Reload the markers, quarantines and tags from storage; return the uncommitted
+        step dirs."""
+        scan = catalog.scan_root(self.storage)
+        self.markers = {m.name: m for m in scan.committed}
+        self.quarantined = scan.quarantined
         self.tags = catalog.read_tags(self.storage)
         self.verified = catalog.read_verification(self.storage)
-        return uncommitted
+        return scan.uncommitted
 
     def reload_tags(self) -> dict[str, str]:
         """Tags set or removed by ``raycheckpoint tag`` / ``untag`` since the last read."""
@@ -69,18 +84,30 @@ class RootState:
     def doc(self, markers: list[Marker] | None = None) -> dict[str, Any]:
         """What ``catalog.json`` should hold (of ``markers``, default every committed one)."""
         markers = self.sorted_markers() if markers is None else markers
-        return catalog.catalog_doc(markers, self.tags, self._verified_of(markers))
+        return catalog.catalog_doc(markers, self.tags, self._verified_of(markers),
+                                   self.quarantined)
 
     def _verified_of(self, markers: list[Marker]) -> dict[str, dict[str, Any]]:
         names = {m.name for m in markers}
         return {n: r for n, r in self.verified.items() if n in names}
 
     def manifest(self, name: str) -> Manifest | None:
-        """The manifest of ``name`` (read once); None when unreadable (logged)."""
+        """The manifest of ``name`` (read once), checked against its marker (size, sha256
+        and, with a key, the marker's MAC: a save never references bytes its key does not
+        vouch for); None when unreadable or unchecked (logged)."""
         if name not in self._manifests:
+            rel = CheckpointPaths(name).manifest
             try:
-                self._manifests[name] = Manifest.from_bytes(
-                    self.storage.read_bytes(CheckpointPaths(name).manifest))
+                data = self.storage.read_bytes(rel)
+                marker = self.markers.get(name)
+                if marker is not None and (len(data) != marker.manifest_size or hashlib.sha256(
+                        data).hexdigest() != marker.manifest_sha256):
+                    raise IntegrityError(f"{rel}: does not match its marker", path=rel)
+                manifest = Manifest.from_bytes(data, rel)
+                if marker is not None and self.storage.cipher is not None:
+                    check_marker(self.storage.cipher, asdict(marker), manifest.encryption, name,
+                                 marker_path=CheckpointPaths(name).committed, manifest_path=rel)
+                self._manifests[name] = manifest
             except (FileNotFoundError, ValueError) as e:
                 logger.warning("cannot read manifest of %s: %s", name, e)
                 return None
@@ -139,7 +166,8 @@ class RootState:
         """``catalog.json`` of ``markers`` (default: every committed one) and the tags."""
         self.check_lease()
         markers = self.sorted_markers() if markers is None else markers
-        catalog.write_catalog(self.storage, markers, self.tags, self._verified_of(markers))
+        catalog.write_catalog(self.storage, markers, self.tags, self._verified_of(markers),
+                              self.quarantined)
 
     def record_verification(self, name: str, result: dict[str, Any]) -> bool:
         """Record a background verification of ``name``; False when it is gone meanwhile."""
@@ -158,22 +186,87 @@ class RootState:
         if self.unmarked is not None:
             self.unmarked.discard(marker.name)
 
-    def delete_step(self, name: str, referenced: set[str]) -> None:
-        """Delete a step directory, marker first, keeping files other manifests reference."""
+    def claim(self, name: str, save_id: str) -> bool:
+        """Take step directory ``name`` for save ``save_id``: create its ``CLAIM``
+        exclusively.  False when another attempt ever had that name (its claim, or a
+        tombstone of it, is there)."""
+        self.check_lease()
+        record = json_bytes({"save_id": save_id, "job": self.lease_job_id,
+                             "claimed_at": time.time()})
+        try:
+            self.storage.create_marker(CheckpointPaths(name).claim, record)
+        except FileExistsError:
+            return False
+        return True
+
+    def take_dir(self, first: str, save_id: str, also: RootState | None = None) -> str:
+        """The step directory save ``save_id`` writes: ``first`` when no attempt ever had
+        that name here (nor in ``also``: a tiered job's durable tier, where this name
+        goes next) and its claim is taken now, else ``first.<save_id>``, which no other
+        attempt ever had: no file of another attempt can lie under the name returned."""
+        def seen(root: RootState) -> bool:
+            return first in root.markers or first in root.quarantined
+        taken = (seen(self) or (also is not None and seen(also))
+                 or (first in self.unmarked if self.unmarked is not None
+                     else bool(self.storage.list_dir(first))))
+        name = first
+        if taken or not self.claim(first, save_id):
+            name = attempt_dir_name(first, save_id)
+            if not self.claim(name, save_id):
+                raise FileExistsError(f"{self.storage.url(name)}: claimed by another save")
+        if self.unmarked is not None:
+            self.unmarked.add(name)  # until its marker is written
+        return name
+
+    def claimed_at(self, name: str) -> float | None:
+        """When ``name``'s claim was made (None: no readable claim)."""
+        try:
+            return float(json.loads(self.storage.read_bytes(CheckpointPaths(name).claim))
+                         ["claimed_at"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return None
+
+    def quarantine(self, name: str, reason: str) -> Quarantine | None:
+        """Set committed checkpoint ``name`` aside: ``QUARANTINED`` (its marker, ``reason``)
+        written, then its ``COMMITTED`` deleted; ``LATEST`` and the catalog follow.  None
+        when ``name`` is not committed here.  Nothing of it is deleted: ``gc`` removes it
+        once a newer checkpoint holds its step or a later one."""
+        marker = self.markers.get(name)
+        if marker is None:
+            return None
+        self.check_lease()
+        paths = CheckpointPaths(name)
+        record = Quarantine(marker, reason)
+        self.storage.write_pointer(paths.quarantined, record.to_bytes())
+        self.storage.delete(paths.committed)
+        del self.markers[name]
+        self.quarantined[name] = record
+        latest = catalog.expected_latest(self.sorted_markers())
+        if latest is not None and catalog.read_latest(self.storage) == name:
+            self.write_latest(latest)
+        self.write_catalog()
+        logger.warning("quarantined %s in %s: %s", name, self.storage.url(), reason)
+        return record
+
+    def delete_step(self, name: str, referenced: set[str], *, tombstone: bool = False) -> None:
+        """Delete a step directory, marker first, keeping files other manifests reference;
+        ``tombstone``: keep its ``CLAIM`` too, so its name is never handed out again."""
         self.check_lease()
         if self.unmarked is not None:
             self.unmarked.add(name)  # until the deletion is complete
         paths = CheckpointPaths(name)
         self.storage.delete(paths.committed)
-        keep = any(paths.holds(p) for p in referenced)
-        if keep:
+        keep = set(referenced) | ({paths.claim} if tombstone else set())
+        kept = any(paths.holds(p) for p in keep)
+        if kept:
             for path in self.storage.list_files(name):
-                if path not in referenced:
+                if path not in keep:
                     self.storage.delete(path)
         else:
             self.storage.delete_tree(name)
         self._manifests.pop(name, None)
-        if self.unmarked is not None and not keep:  # kept files stay without a marker
+        self.quarantined.pop(name, None)
+        if self.unmarked is not None and not kept:  # kept files stay without a marker
             self.unmarked.discard(name)
 
 
