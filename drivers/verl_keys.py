@@ -1,7 +1,7 @@
 """verl's trainer and checkpoint keys: each one given verl 0.9's meaning here, or refused
 with the reason in one line (before anything starts).
 
-The README's "verl keys" table lists them; :func:`checkpoint_settings` is where the job's
+docs/RL_JOB.md's "verl's keys" table lists them; :func:`checkpoint_settings` is where the job's
 keys become :class:`raycheckpoint.CheckpointConfig` options.
 """
 
