@@ -74,8 +74,11 @@ def preflight(tiers: list[Tier] | Storage, ref: str | int, fingerprint: dict[str
     """
     if isinstance(tiers, Storage):
         tiers = [Tier(tiers)]
-    storage, ref = locate(tiers[0].storage, ref, tiers[0].storage.options)
-    if storage is not tiers[0].storage:  # a path into another root
+    # as the load does: a path is resolved against the root the job commits to (a tiered
+    # job's local tier), with the job's storage options (its durable root's, the last)
+    home = next((t for t in tiers if t.label == "local tier"), tiers[-1])
+    storage, ref = locate(home.storage, ref, tiers[-1].storage.options)
+    if storage is not home.storage:  # a path into another root
         tiers = [Tier(storage, "root of the path given")]
 
     def attempt(name: str, tier: Tier) -> str:

@@ -103,6 +103,9 @@ def test_the_start_up_check_walks_every_tier_in_the_loads_order(tmp_path):
     # the local copy of step 4 is damaged; its durable copy is whole: step 4, as the load
     name, warned = _preflight(tiers)
     assert name == "step_00000004" and "local tier" in warned
+    # a path names one root: its checkpoint there, as the load reads it
+    assert preflight(tiers, os.path.join(durable, "step_00000004"), FP, {"actor": 1},
+                     allow_reshard=False) == "step_00000004"
     # no candidate verifies: the same error the load gives
     flip_bit(os.path.join(durable, "step_00000004", "trainer_state.json"))
     for root in (local, durable):
