@@ -20,7 +20,9 @@ from raycheckpoint import Storage
 from raycheckpoint.protocol.checkpoint import verify_checkpoint
 from tests.helpers import arm, disarm, manager, train
 
-pytestmark = [pytest.mark.s3, pytest.mark.timeout(300)]
+# ~45 s, most of it the zombie's sleep: the default suite keeps within its 15 minutes on a 2-core machine;
+# .ci/run runs the long tests too (and the RGW leg: it is an S3 test)
+pytestmark = [pytest.mark.s3, pytest.mark.long, pytest.mark.timeout(300)]
 
 ZOMBIE_S = 35  # how long job A's rank 0 sleeps inside its write
 

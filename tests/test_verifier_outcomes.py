@@ -123,6 +123,10 @@ def _queue(spec: StorageSpec, storage: Storage) -> tuple[VerificationQueue, Root
                              start=verifier.start), state
 
 
+# ~15 s (a verifier actor, a dropped store): the default suite keeps within its 15 minutes
+# on a 2-core machine; .ci/run runs the long tests too; verify_committed's side of it runs
+# in the default suite above
+@pytest.mark.long
 @pytest.mark.s3
 def test_the_coordinator_records_a_failure_and_nothing_for_a_verification_that_could_not_run(
         ray_session, unreachable, tmp_path, caplog):

@@ -29,6 +29,9 @@ def records(root: Path) -> dict[int, dict]:
     return read_metrics(root / "metrics.jsonl")
 
 
+# ~90 s: the default suite keeps within its 15 minutes on a 2-core machine;
+# .ci/run runs the long tests too
+@pytest.mark.long
 def test_vllm_rollout_resumes_exactly_and_resyncs(tmp_path):
     a = tmp_path / "a"
     run([f"trainer.default_local_dir={a}"])
