@@ -265,8 +265,8 @@ def test_manager_refuses_a_held_root_and_a_takeover_stops_the_old_job(group2, lo
         intruder = Lease(storage, job_name="intruder", takeover=True, wait_s=0).acquire()
         train(group2, [2])
         m.update(step=2)
-        # refused when the save begins (its step directory is claimed under the lease), or
-        # at its commit: either way naming the new holder
+        # refused at its commit (or wherever the job next checks its lease), naming the
+        # new holder
         with pytest.raises((LeaseLostError, CheckpointSaveError), match="intruder"):
             m.save_checkpoint().wait(120)
         assert not storage.exists(f"step_00000002/{COMMITTED}")

@@ -189,8 +189,9 @@ class RootState:
     def claim(self, name: str, save_id: str) -> bool:
         """Take step directory ``name`` for save ``save_id``: create its ``CLAIM``
         exclusively.  False when another attempt ever had that name (its claim, or a
-        tombstone of it, is there)."""
-        self.check_lease()
+        tombstone of it, is there).  No lease check here: a claim is no shared state (the
+        commit checks the lease before ``COMMITTED``), and ``begin``, which the driver
+        waits for, pays one request for it, not two."""
         record = json_bytes({"save_id": save_id, "job": self.lease_job_id,
                              "claimed_at": time.time()})
         try:
