@@ -7,9 +7,9 @@ what storage holds and a commit costs few metadata reads:
 * the manifests it has read or written;
 * the quarantined checkpoints (``QUARANTINED``: set aside, never read, see paths.py);
 * the step directories that may hold files but no marker (an aborted save, a deletion
-  cut short): ``begin`` never hands such a name to a save again, and lists storage (a
-  LIST request on an object store, in training's blocked time) only for those.
-  ``None`` until the first listing: every step directory is listed then.
+  cut short): ``begin`` never hands such a name to a save again, with no listing (a
+  LIST request on an object store, in training's blocked time).  ``None`` until the
+  first listing: ``begin`` then lists the one step directory it would take.
 
 A save takes its step directory's name by creating its ``CLAIM`` exclusively
 (:meth:`RootState.claim`); collecting an aborted save's directory keeps that claim as a
