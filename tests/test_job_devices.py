@@ -284,7 +284,9 @@ def test_a_qwen2_job_from_its_directory_resumes_bit_for_bit(ray_session, tmp_pat
 
     from raycheckpoint.cli import main as cli
 
-    assert cli(["export", str(b / "step_00000004"), str(tmp_path / "ref"), "--format", "hf",
+    # (b resumed from step 2 and saved its own step 4 beside a's, which it set aside: the
+    # root's LATEST)
+    assert cli(["export", str(b), str(tmp_path / "ref"), "--format", "hf",
                 "--role", "reference"]) == 0
     base, ref = load_file(qwen / "model.safetensors"), load_file(tmp_path / "ref" / "model.safetensors")
     assert sorted(base) == sorted(ref) and "lm_head.weight" not in ref

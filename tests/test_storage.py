@@ -183,6 +183,18 @@ def test_posix_latest_symlink(tmp_path):
     assert (tmp_path / "latest").resolve() == (tmp_path / "step_00000001").resolve()
 
 
+def test_a_latest_that_is_no_link_is_left_alone_and_fails_nothing(tmp_path, caplog):
+    """A root copied with its ``latest`` link followed has a directory there: pointing
+    ``latest`` (a convenience for people) must not fail the commit that moves LATEST."""
+    from raycheckpoint.protocol import catalog
+
+    s = Storage(str(tmp_path / "root"))
+    s.write_bytes("latest/COMMITTED", b"a copy of a checkpoint")
+    catalog.write_latest(s, "step_00000002")
+    assert catalog.read_latest(s) == "step_00000002"
+    assert (tmp_path / "root" / "latest").is_dir() and "not a symbolic link" in caplog.text
+
+
 def test_file_uri_and_plain_path_agree(tmp_path):
     a = Storage(f"file://{tmp_path}")
     b = Storage(str(tmp_path))

@@ -24,6 +24,7 @@ it is written buffered, as every other file is, with ``os.writev`` for many piec
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import tempfile
@@ -37,6 +38,8 @@ from raycheckpoint.storage.direct_io import DirectFile
 from raycheckpoint.storage.spec import Capabilities
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+logger = logging.getLogger(__name__)
 
 
 class LocalStorage(Storage):
@@ -77,6 +80,12 @@ class LocalStorage(Storage):
 
     def symlink(self, rel: str, target: str) -> None:
         full = self.full_path(rel)
+        if os.path.lexists(full) and not os.path.islink(full):
+            # `latest` is for people; a file or directory there (a root copied with the link
+            # followed) is theirs: it is left alone, and never fails a commit
+            logger.warning("%s is not a symbolic link (a copy of the root?): not pointed at %s",
+                           full, target)
+            return
         tmp = f"{full}.tmp-{os.getpid()}"
         _unlink_quietly(tmp)
         os.symlink(target, tmp)
