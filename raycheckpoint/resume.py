@@ -88,13 +88,13 @@ def preflight(tiers: list[Tier] | Storage, ref: str | int, fingerprint: dict[str
             raise LightCheckpointError(f"{name} is a light checkpoint: it cannot resume "
                                        "training (no optimizer, data-loader or RNG state)",
                                        name=name)
+        diffs = resume_differences(ck, fingerprint, world_sizes, allow_reshard=allow_reshard)
+        if diffs:  # before the roles, as the load: a changed config says why a role is missing
+            raise ConfigMismatchError(format_differences(ck.name, diffs), differences=diffs)
         missing_roles = sorted(set(world_sizes) - set(ck.manifest.roles))
         if missing_roles:
             raise IntegrityError(f"{name} holds no state for role(s) {missing_roles} (it has "
                                  f"{sorted(ck.manifest.roles)})", path=name)
-        diffs = resume_differences(ck, fingerprint, world_sizes, allow_reshard=allow_reshard)
-        if diffs:
-            raise ConfigMismatchError(format_differences(ck.name, diffs), differences=diffs)
         return ck.name
 
     return first_that_opens(resume_candidates(tiers, ref), attempt)
