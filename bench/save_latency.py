@@ -5,6 +5,7 @@
         --repeat 3 --out bench/results/ranks
     python -m bench.save_latency --ranks 2 --bytes-per-rank 64MB --storage moto://   # local S3
     python -m bench.save_latency --virtual-ranks 8,64,256 --storage /tmp/bench
+    python -m bench.save_latency --ranks 2 --bytes-per-rank 256MB --host-buffer-bytes 64MB,256MB
     # on a Ray cluster (ray up cluster.yaml), one GPU per rank, state on the GPUs:
     ray job submit --working-dir . -- python -m bench.save_latency --ranks 256 \\
         --bytes-per-rank 1GB --device cuda --storage s3://BUCKET/bench --out /tmp/bench
@@ -54,6 +55,7 @@ from bench._harness import (
     parse_bytes,
 )
 from bench._ranks import METHODS, RESHARDS, model_dims
+from bench.host_buffer import budget_stalls
 from bench.report import _fmt, _pct, plot, table, targets
 from drivers._ray import init_ray
 from raycheckpoint import CheckpointManager
@@ -103,7 +105,8 @@ def _perturb(group: list[Any]) -> None:
 
 def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat: int,
               methods: tuple[str, ...] = METHODS, reshard: bool = True, step_batch: int = 4,
-              step_seq: int = 64, where: Where = Where(), log=print) -> dict[str, Any]:
+              step_seq: int = 64, where: Where = Where(), log=print,
+              host_buffer_bytes: list[int] | None = None) -> dict[str, Any]:
     d = model_dims(ranks * bytes_per_rank)
     group, placement = _group(ranks, d, storage, where)
     info = ray.get([w.ready.remote() for w in group], timeout=TIMEOUT_S)
@@ -124,6 +127,7 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
                                          "worker_resources": where.resources,
                                          "placement_groups": len({i["placement_group"] for i in info
                                                                   if i["placement_group"]})}}
+    measured = False
     try:
         limits = measure_limits(group, storage, repeat)
         log(f"   limits: host copy {limits['host_copy_s']:.3f} s (fresh memory "
@@ -194,10 +198,15 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
             f"{_fmt(steps['first_step_after_save_s'])} s; overlap_copy: blocked "
             f"{steps['overlap_stall_s']:.3f} s, first step {steps['overlap_first_step_s']:.3f} s "
             f"({_pct(steps['overlap_first_step_slowdown'])})")
+        measured = True
     finally:
         manager.close(TIMEOUT_S)
-        ray.get([w.close_stager.remote() for w in group], timeout=TIMEOUT_S)
-        _kill(group, placement)
+        try:
+            if host_buffer_bytes and measured:
+                result["host_buffer"] = budget_stalls(group, storage, host_buffer_bytes, log=log)
+        finally:
+            ray.get([w.close_stager.remote() for w in group], timeout=TIMEOUT_S)
+            _kill(group, placement)
     reshard_s: dict[str, list[float]] = {}
     if reshard and ranks > 1:
         reshard_s = reshard_loads(ranks // 2, d, storage, methods, ray_name, last_url, full_digest,
@@ -394,6 +403,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "direct saves to --storage (see bench/tiers.py)")
     p.add_argument("--local-dir", default=None, help="the local tier for --tiers (default: a "
                    "temporary directory)")
+    p.add_argument("--host-buffer-bytes", type=_sizes, default=None, metavar="SIZES",
+                   help="also measure the stall per save with checkpoint.host_buffer_bytes "
+                        "set to each of these (comma list, e.g. 64MB,256MB), against none")
     p.add_argument("--out", default=None, help="write results.json and plot.png here")
     args = p.parse_args(argv)
     if args.tiers:
@@ -424,7 +436,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for size in args.bytes_per_rank:
                     point = run_point(ranks, size, storage, repeat=args.repeat, methods=methods,
                                       reshard=not args.no_reshard, step_batch=args.step_batch,
-                                      step_seq=args.step_seq, where=where)
+                                      step_seq=args.step_seq, where=where,
+                                      host_buffer_bytes=args.host_buffer_bytes)
                     print(table(point), flush=True)
                     points.append(point)
             results = {**points[-1], "points": points}

@@ -20,6 +20,9 @@ from raycheckpoint.policy.retention import RetentionRules
 
 ResumeMode = Literal["auto", "disable", "path"]
 
+# the smallest host_buffer_bytes accepted: below it a save is mostly per-chunk overhead
+MIN_HOST_BUFFER_BYTES = 64 << 10
+
 # Alternative spellings accepted by from_dict -> canonical field name.
 ALIASES: dict[str, str] = {
     "checkpoint_dir": "save_dir",
@@ -107,6 +110,12 @@ class CheckpointConfig(RetentionRules):
     # their optimizer (CheckpointableWorker.ckpt_guard) answer the snapshot before the
     # copy, and the optimizer step waits for what is left of it
     overlap_copy: bool = False
+    # bound on the host memory one rank's save may take (bytes; None: unbounded, a host
+    # copy of the whole shard).  A rank whose state holds more tensor bytes than this
+    # stages no copy: its snapshot writes the tensors through a buffer of this size, a
+    # chunk at a time, and training stays blocked until the last chunk is written (the
+    # same files; with overlap_copy such a rank falls back to this blocking path)
+    host_buffer_bytes: int | None = None
     # gc.freeze() in each worker once checkpointing is set up: the objects alive then
     # (imports, model, optimizer) leave the cyclic GC's full collections.  A full
     # collection stops every thread of a worker (training too) for ~0.16 s in the
@@ -174,6 +183,12 @@ class CheckpointConfig(RetentionRules):
             raise ValueError(
                 "encryption_key must be a reference such as 'env:NAME' or 'file:PATH'; "
                 "a literal secret in a config is refused")
+        if self.host_buffer_bytes is not None and (
+                isinstance(self.host_buffer_bytes, bool) or not isinstance(self.host_buffer_bytes, int)
+                or self.host_buffer_bytes < MIN_HOST_BUFFER_BYTES):
+            raise ValueError(
+                f"host_buffer_bytes must be an integer of at least {MIN_HOST_BUFFER_BYTES} "
+                f"bytes (64 KiB), or None for no bound; got {self.host_buffer_bytes!r}")
         if not 0 <= self.persist_nice <= 19:
             raise ValueError(f"persist_nice must be within 0..19, got {self.persist_nice}")
         if self.storage_retries < 0:

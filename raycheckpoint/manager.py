@@ -116,7 +116,8 @@ class CheckpointManager:
             role=role, rank=rank, world_size=len(self.groups[role]), storage=roots.write,
             probe=probe, report_timeout_s=rpc, persist_nice=config.persist_nice,
             freeze_gc=config.freeze_gc, coordinator=self._coordinator,
-            write_ahead=config.write_ahead) for role, rank, w in ranks], rpc)
+            write_ahead=config.write_ahead, host_buffer_bytes=config.host_buffer_bytes)
+            for role, rank, w in ranks], rpc)
         roots.check_visible(probe, [(f"{role}/{rank}", ok)
                                     for (role, rank, _), ok in zip(ranks, seen, strict=True)])
         _get(self._coordinator.register_workers.remote(self.workers, rank_nodes), rpc)
@@ -305,7 +306,7 @@ class CheckpointManager:
         handle = SaveHandle(self._record, save_id=save_id, name=name, step=step, kind=kind,
                             stall_s=time.perf_counter() - t0,
                             worker_stall_s=max((s["stall_s"] for s in snaps), default=0.0),
-                            finished=finished)
+                            finished=finished, snapshots=snaps)
         self._saves.handles.append(handle)
         return handle
 

@@ -33,10 +33,11 @@ class SaveHandle:
 
     def __init__(self, record: Recorder, *, save_id: str | None, name: str, step: int,
                  kind: str, stall_s: float, worker_stall_s: float, existing: dict | None = None,
-                 finished: ray.ObjectRef | None = None):
+                 finished: ray.ObjectRef | None = None, snapshots: list[dict] | None = None):
         self._record = record
         self.save_id, self.name, self.step, self.kind = save_id, name, step, kind
         self.stall_s, self.worker_stall_s = stall_s, worker_stall_s
+        self.host = host_figures(snapshots or [])
         self.tag: str | None = None
         self.reason = ""  # why it was saved (set by CheckpointManager.step)
         self._result: dict[str, Any] | None = existing
@@ -85,6 +86,19 @@ class SaveHandle:
         return self._error
 
 
+def host_figures(snapshots: list[dict]) -> dict[str, Any]:
+    """The host memory figures of a save's snapshot answers, as the stall is: the most any
+    rank held (``host_bytes``, ``pinned_bytes``: staging buffers, or the bounded buffer of
+    ``checkpoint.host_buffer_bytes``), and ``chunked``, whether any rank wrote through that
+    buffer (training blocked until its data was written)."""
+    figures = [s for s in snapshots if "host_bytes" in s]
+    if not figures:
+        return {}
+    return {"host_bytes": max(s["host_bytes"] for s in figures),
+            "pinned_bytes": max(s["pinned_bytes"] for s in figures),
+            "chunked": any(s.get("chunked") for s in figures)}
+
+
 class SaveTracker:
     """The saves of one manager: in flight (until observed) and finished (their figures)."""
 
@@ -117,6 +131,7 @@ class SaveTracker:
                  "ok": error is None}
         if handle.reason:
             entry["reason"] = handle.reason
+        entry.update(handle.host)
         if result is not None:
             total = result.get("total_s") or 0.0
             entry.update(bytes=result.get("bytes", 0), persist_s=result.get("persist_s"),

@@ -102,8 +102,9 @@ class CheckpointableWorker:
                    process_group: dist.ProcessGroup | None = None,
                    report_timeout_s: float = 300.0, persist_nice: int = 0,
                    freeze_gc: bool = False, coordinator: Any = None,
-                   write_ahead: bool = True, probe: str | None = None) -> bool:
-        """Set up this rank's saver; ``freeze_gc``, ``write_ahead``: see
+                   write_ahead: bool = True, probe: str | None = None,
+                   host_buffer_bytes: int | None = None) -> bool:
+        """Set up this rank's saver; ``freeze_gc``, ``write_ahead``, ``host_buffer_bytes``: see
         ``CheckpointConfig``.  Returns whether ``storage`` holds ``probe`` (True if None:
         the driver's proof that every rank sees one local tier, ``roots.py``).
 
@@ -116,27 +117,26 @@ class CheckpointableWorker:
             gc.collect()  # garbage now would never be collected once frozen
             gc.freeze()
         sees = probe is None or storage.open().exists(probe)
-        if self._ckpt_saver is not None and self._ckpt_saver.storage_spec == storage:
-            self._ckpt_saver.persist_nice = persist_nice
-            self._ckpt_saver.writes_ahead = write_ahead
-            return sees
-        if process_group is None and dist.is_initialized():
-            # DCP runs collectives from the persist thread: give it a group of its own so
-            # they never interleave with the training collectives on the default group
-            if getattr(self, "_ckpt_pg", None) is None:
-                self._ckpt_pg = dist.new_group(backend="gloo",
-                                               timeout=timedelta(seconds=report_timeout_s))
-            process_group = self._ckpt_pg
-        self._ckpt_saver = ShardSaver(role=role, rank=rank, world_size=world_size,
-                                      storage=storage, process_group=process_group,
-                                      report_timeout_s=report_timeout_s,
-                                      persist_nice=persist_nice)
-        if not getattr(self, "_ckpt_exit_hooked", False):
-            # this process ends by os._exit once its persist is over (_internal/exit.py)
-            process_exit.install()
-            process_exit.on_exit(self._ckpt_close)
-            self._ckpt_exit_hooked = True
-        self._ckpt_saver.writes_ahead = write_ahead
+        if self._ckpt_saver is None or self._ckpt_saver.storage_spec != storage:
+            if process_group is None and dist.is_initialized():
+                # DCP runs collectives from the persist thread: give it a group of its own so
+                # they never interleave with the training collectives on the default group
+                if getattr(self, "_ckpt_pg", None) is None:
+                    self._ckpt_pg = dist.new_group(backend="gloo",
+                                                   timeout=timedelta(seconds=report_timeout_s))
+                process_group = self._ckpt_pg
+            self._ckpt_saver = ShardSaver(role=role, rank=rank, world_size=world_size,
+                                          storage=storage, process_group=process_group,
+                                          report_timeout_s=report_timeout_s,
+                                          persist_nice=persist_nice)
+            if not getattr(self, "_ckpt_exit_hooked", False):
+                # this process ends by os._exit once its persist is over (_internal/exit.py)
+                process_exit.install()
+                process_exit.on_exit(self._ckpt_close)
+                self._ckpt_exit_hooked = True
+        saver = self._ckpt_saver
+        saver.persist_nice, saver.writes_ahead = persist_nice, write_ahead
+        saver.host_buffer_bytes = host_buffer_bytes
         return sees
 
     def _ckpt_close(self, timeout: float) -> None:

@@ -240,3 +240,82 @@ class OverlappedWrite:
         for rel in list(self.written):
             self._remove(storage, rel)
         self.written.clear()
+
+
+def start_early_write(saver: Any, kind: str, copies: list[tuple[torch.Tensor, torch.Tensor]],
+                      target: Any, timeout_s: float) -> tuple[list, CopyProgress | None]:
+    """Start writing ``saver``'s data files of ``kind`` staged whole while the copy fills
+    them (a :class:`~raycheckpoint._internal.shard_saver.ShardSaver`; ``target``: its
+    snapshot's :class:`~raycheckpoint._internal.persist.SaveTarget`): their write then
+    overlaps the copy, and the persist finds them written.  Returns the copies in the
+    order that fills the files front to back, and the progress the copy tells; None
+    where no file is written early (the first save of a plan, or its files are written
+    record by record)."""
+    from raycheckpoint._internal.priority import lower_priority
+    from raycheckpoint.protocol.paths import CheckpointPaths
+
+    plan = saver.plans.get(kind)
+    if not saver.writes_ahead or plan is None or not plan.images or plan.outcome is None:
+        return copies, None
+    files = [(name, image.view) for name, image in sorted(plan.images.items())]
+    views = [view for _, view in files]
+    staging = saver.stager.staging.get(kind)
+    kept = plan.copy_order
+    got = None
+    if (kept is not None and kept[0] is staging and len(kept[1]) == len(views)
+            and all(a is b for a, b in zip(kept[1], views, strict=True))):
+        got = kept[2].apply(copies)
+    if got is None:  # first early write over this staging and these blocks
+        order = CopyOrder(copies, views)
+        plan.copy_order = (staging, views, order)
+        got = order.apply(copies)
+        assert got is not None
+    copies, progress = got
+    early = saver._early[kind] = OverlappedWrite(files, progress, timeout_s)
+
+    def dcp_dir() -> str | None:
+        named = target.named()
+        return None if named is None else CheckpointPaths(named[1]).role_dir(saver.role)
+
+    # below training, as the persist thread is: the copy beside it is training's stall
+    early.start(saver.storage, dcp_dir, f"raycheckpoint-write-ahead-{saver.role}-{saver.rank}",
+                before=lambda: lower_priority(saver.persist_nice))
+    return copies, progress
+
+
+def stage_files_whole(saver: Any, kind: str, plan: Any, results: list) -> bool:
+    """After the first save of a plan, move ``saver``'s staged tensors of each large data
+    file of ``kind`` into one page-aligned block laid out as the file
+    (:meth:`~raycheckpoint._internal.dcp.shard_plan.ShardPlan.adopt_image`): later
+    saves write it to local disk with ``O_DIRECT`` straight from the block, with no
+    copy into a bounce buffer, and hash it a block at a time.  Returns whether any
+    tensor moved.
+
+    Only where the storage writes with ``O_DIRECT`` and without encryption; not with
+    pinned (CUDA) staging, whose slab stays page-locked as it is; and not for a kind
+    whose buffers another kind shares (a light save's model buffers are the full
+    save's): its files are written record by record, and no block is left holding
+    memory that moved on.  Runs once per plan, in the persist thread, before the next
+    snapshot may start.
+    """
+    storage = saver.storage
+    if (saver.plans.get(kind) is not plan or plan.tried_images or not storage.writes_direct
+            or storage.cipher is not None or saver.pin_memory):
+        return False
+    plan.tried_images = True
+    try:
+        owners = {t.data_ptr(): t for t in saver.stager.staging[kind].tensors()}
+        # no other kind's buffers may move: their plans resolved them
+        shared = {id(t) for other, staging in saver.stager.staging.items() if other != kind
+                  for t in staging.tensors()}
+        if any(id(t) in shared for t in owners.values()):
+            return False
+        moved = False
+        for name in sorted({r.storage_data.relative_path for r in results}):
+            moved = plan.adopt_image(name, results, owners) or moved
+        return moved
+    except Exception as e:  # noqa: BLE001 - the files are written record by record then
+        log.warning("%s/%s: staging the data files whole failed (%s: %s); they are "
+                    "written record by record", saver.role, saver.rank, type(e).__name__, e)
+        plan.forget_tensors()  # some tensors may have moved
+        return True

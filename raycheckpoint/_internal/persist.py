@@ -163,7 +163,9 @@ class PersistJob:
     the model; ``failed``: this rank cannot save (its state could not be staged), and only
     takes part in its peers' first agreement to fail the save on every rank at once;
     ``writes_tensors``: whether the rank takes part in DCP's save at all (a role with no
-    state saves its extra state only).
+    state saves its extra state only); ``bounded``: the save goes through a bounded host
+    buffer (:mod:`~raycheckpoint._internal.bounded_write`), released once the rank's data
+    files are written (the snapshot waits for that).
     """
 
     pending: PendingPersist
@@ -176,3 +178,4 @@ class PersistJob:
     assets: dict[str, bytes] | None = None
     failed: BaseException | None = None
     writes_tensors: bool = True
+    bounded: Any = None  # a BoundedBuffer: ``staged`` is the live state, written through it

@@ -46,10 +46,16 @@ import torch
 import torch.distributed as dist
 
 from raycheckpoint._internal import faults
+from raycheckpoint._internal.bounded_write import BoundedBuffer, live_state
 from raycheckpoint._internal.dcp.save import save_state
 from raycheckpoint._internal.dcp.shard_plan import ShardPlan
 from raycheckpoint._internal.dcp.writer import HashingStorageWriter
-from raycheckpoint._internal.overlapped_write import CopyOrder, CopyProgress, OverlappedWrite
+from raycheckpoint._internal.overlapped_write import (
+    CopyProgress,
+    OverlappedWrite,
+    stage_files_whole,
+    start_early_write,
+)
 from raycheckpoint._internal.persist import (
     PendingPersist,
     PersistJob,
@@ -58,7 +64,7 @@ from raycheckpoint._internal.persist import (
     describe_error,
 )
 from raycheckpoint._internal.priority import lower_priority
-from raycheckpoint._internal.staging import HostStager
+from raycheckpoint._internal.staging import HostStager, tensor_bytes
 from raycheckpoint.protocol.format import pack
 from raycheckpoint.protocol.paths import CheckpointPaths
 from raycheckpoint.storage import StorageSpec
@@ -88,51 +94,36 @@ class ShardSaver:
         self.copy_wait_s = 0.0  # total time callers were blocked in wait_copied()
         # write a data file staged whole while the copy fills it (checkpoint.write_ahead)
         self.writes_ahead = True
+        # checkpoint.host_buffer_bytes: a larger state is saved through a bounded buffer
+        self.host_buffer_bytes: int | None = None
+        self._bounded: BoundedBuffer | None = None
 
     @property
     def pin_memory(self) -> bool:
         return self.stager.pin_memory
 
     def prepare(self, kind: str, state: dict[str, Any]) -> int:
-        """Allocate and touch the host buffers for ``kind`` now; returns their bytes."""
+        """Allocate and touch the host buffers for ``kind`` now (none for a state over
+        ``host_buffer_bytes``: saved through the bounded buffer); returns their bytes."""
+        if self.host_buffer_bytes is not None and tensor_bytes(state) > self.host_buffer_bytes:
+            return 0
         return self.stager.prepare(kind, state)
+
+    def host_figures(self) -> dict[str, Any]:
+        """The host memory this rank's saves hold: staging slabs, data files staged whole,
+        the bounded buffer; and of it, what is pinned."""
+        images = sum(len(i.block) for p in self.plans.values() for i in p.images.values())
+        bounded = self._bounded
+        extra = 0 if bounded is None else bounded.host_bytes
+        return {"host_bytes": self.stager.host_bytes + images + extra,
+                "pinned_bytes": self.stager.pinned_bytes
+                + (extra if bounded is not None and bounded.pinned else 0)}
 
     def _start_overlapped_write(self, kind: str, copies: list[tuple[torch.Tensor, torch.Tensor]],
                                 target: SaveTarget, timeout_s: float
                                 ) -> tuple[list, CopyProgress | None]:
-        """Start writing the data files staged whole while the copy fills them
-        (:mod:`~raycheckpoint._internal.overlapped_write`): their write then overlaps the
-        copy, and the persist finds them written.  Returns the copies in the order that
-        fills the files front to back, and the progress the copy tells; None where no
-        file is written early (the first save of a plan, or its files are written record
-        by record)."""
-        plan = self.plans.get(kind)
-        if not self.writes_ahead or plan is None or not plan.images or plan.outcome is None:
-            return copies, None
-        files = [(name, image.view) for name, image in sorted(plan.images.items())]
-        views = [view for _, view in files]
-        staging = self.stager.staging.get(kind)
-        kept = plan.copy_order
-        got = None
-        if (kept is not None and kept[0] is staging and len(kept[1]) == len(views)
-                and all(a is b for a, b in zip(kept[1], views, strict=True))):
-            got = kept[2].apply(copies)
-        if got is None:  # first early write over this staging and these blocks
-            order = CopyOrder(copies, views)
-            plan.copy_order = (staging, views, order)
-            got = order.apply(copies)
-            assert got is not None
-        copies, progress = got
-        early = self._early[kind] = OverlappedWrite(files, progress, timeout_s)
-
-        def dcp_dir() -> str | None:
-            named = target.named()
-            return None if named is None else CheckpointPaths(named[1]).role_dir(self.role)
-
-        # below training, as the persist thread is: the copy beside it is training's stall
-        early.start(self.storage, dcp_dir, f"raycheckpoint-write-ahead-{self.role}-{self.rank}",
-                    before=lambda: lower_priority(self.persist_nice))
-        return copies, progress
+        """:func:`~raycheckpoint._internal.overlapped_write.start_early_write` for ``kind``."""
+        return start_early_write(self, kind, copies, target, timeout_s)
 
     def _end_overlapped_write(self, kind: str) -> None:
         """Wait for the early writes of ``kind``'s last snapshot; remove what no persist
@@ -185,6 +176,10 @@ class ShardSaver:
         kind = snap.kind
         self.wait_previous(wait_timeout_s)
         self._end_overlapped_write(kind)  # ended by its persist or snapshot already: never beside
+        if self.host_buffer_bytes is not None:  # a peer's bounded save needs this persist now
+            start = True
+            if tensor_bytes(snap.state) > self.host_buffer_bytes:
+                return self._snapshot_bounded(snap, target, t0, wait_timeout_s)
         save_id, step_dir = ("", "") if target.pending else target.named()
         pending = PendingPersist(save_id)
         try:
@@ -220,7 +215,44 @@ class ShardSaver:
             pending=pending, kind=kind, step_dir=step_dir, coordinator=target.coordinator,
             plan=self.plans.setdefault(kind, ShardPlan()), staged=staged, extra=snap.extra,
             assets=dict(snap.assets), writes_tensors=bool(staged)), start=start)
-        return {"stall_s": stall_s, "bytes": self.stager.staging[kind].bytes}
+        return {"stall_s": stall_s, "bytes": self.stager.staging[kind].bytes, "chunked": False,
+                "pinned": self.stager.pinned(kind), **self.host_figures()}
+
+    def _snapshot_bounded(self, snap: Snapshot, target: SaveTarget, t0: float,
+                          wait_timeout_s: float) -> dict[str, Any]:
+        """:meth:`snapshot` of a state over ``host_buffer_bytes``: its persist starts now,
+        writing the live tensors through the bounded buffer
+        (:mod:`~raycheckpoint._internal.bounded_write`); returns once they are read."""
+        kind, pending = snap.kind, PendingPersist("")
+        pending.copied.set()  # nothing is copied beside training
+        try:
+            faults.check("worker.snapshot", path=f"{self.role}/{self.rank}")
+            got = target.named()
+        except BaseException as e:
+            self.refuse(kind, e, target)
+            raise
+        if got is None:
+            return {"stall_s": time.perf_counter() - t0, "bytes": 0, "dropped": True}
+        pending.save_id, step_dir = got
+        if self._bounded is None or self._bounded.nbytes != self.host_buffer_bytes:
+            self._bounded = BoundedBuffer(self.host_buffer_bytes, pin=self.pin_memory)
+        bounded = self._bounded
+        ready = None
+        if self.pin_memory:
+            ready = torch.cuda.Event()
+            ready.record()
+        bounded.begin(ready)
+        staged = live_state(snap.state)
+        self._set_up_persist(PersistJob(
+            pending=pending, kind=kind, step_dir=step_dir, coordinator=target.coordinator,
+            plan=ShardPlan(), staged=staged, extra=snap.extra, assets=dict(snap.assets),
+            writes_tensors=bool(staged), bounded=bounded), start=True)
+        if not bounded.released.wait(wait_timeout_s):
+            raise TimeoutError(f"{self.role}/{self.rank}: save {pending.save_id} still writing "
+                               f"through its host buffer after {wait_timeout_s}s")
+        pending.copy_s = time.perf_counter() - t0
+        return {"stall_s": pending.copy_s, "bytes": tensor_bytes(staged), "chunked": True,
+                "chunks": bounded.chunks, "pinned": bounded.pinned, **self.host_figures()}
 
     def _set_up_persist(self, job: PersistJob, *, start: bool) -> None:
         """Make ``job.pending`` this saver's persist (its thread started now, or deferred)."""
@@ -305,37 +337,10 @@ class ShardSaver:
         pending.start()
 
     def _stage_files_whole(self, kind: str, plan: ShardPlan, results: list) -> None:
-        """After the first save of a plan, move the staged tensors of each large data file
-        into one page-aligned block laid out as the file
-        (:meth:`~raycheckpoint._internal.dcp.shard_plan.ShardPlan.adopt_image`): later
-        saves write it to local disk with ``O_DIRECT`` straight from the block, with no
-        copy into a bounce buffer, and hash it a block at a time.
-
-        Only where the storage writes with ``O_DIRECT`` and without encryption; not with
-        pinned (CUDA) staging, which keeps one pinned buffer per tensor; and not for a
-        kind whose buffers another kind shares (a light save's model buffers are the full
-        save's): its files are written record by record, and no block is left holding
-        memory that moved on.  Runs once per plan, in the persist thread, before the next
-        snapshot may start.
-        """
-        storage = self.storage
-        if (self.plans.get(kind) is not plan or plan.tried_images or not storage.writes_direct
-                or storage.cipher is not None or self.pin_memory):
-            return
-        plan.tried_images = True
-        try:
-            owners = {t.data_ptr(): t for t in self.stager.staging[kind].tensors()}
-            # no other kind's buffers may move: their plans resolved them
-            shared = {id(t) for other, staging in self.stager.staging.items() if other != kind
-                      for t in staging.tensors()}
-            if any(id(t) in shared for t in owners.values()):
-                return
-            for name in sorted({r.storage_data.relative_path for r in results}):
-                plan.adopt_image(name, results, owners)
-        except Exception as e:  # noqa: BLE001 - the files are written record by record then
-            log.warning("%s/%s: staging the data files whole failed (%s: %s); they are "
-                        "written record by record", self.role, self.rank, type(e).__name__, e)
-            plan.forget_tensors()  # some tensors may have moved
+        """:func:`~raycheckpoint._internal.overlapped_write.stage_files_whole`, then the
+        buffers left in ``kind``'s slab repacked (the slab freed)."""
+        if stage_files_whole(self, kind, plan, results):
+            self.stager.repack(kind)
 
     def _persist(self, job: PersistJob) -> None:
         t0 = time.perf_counter()
@@ -357,7 +362,7 @@ class ShardSaver:
             files = []
             if job.writes_tensors:  # a role without tensors (rollout) saves its extra state only
                 writer = HashingStorageWriter(self.storage, paths.role_dir(self.role), job.plan,
-                                              early)
+                                              early, job.bounded)
                 # raises on every rank of the group if any rank failed
                 save_state(job.staged, writer, job.plan, self.process_group, failed=failed)
                 files = list(writer.written)
@@ -385,6 +390,8 @@ class ShardSaver:
             except Exception as report_error:  # noqa: BLE001
                 e.add_note(f"also failed to report this error to the coordinator: {report_error}")
         finally:
+            if job.bounded is not None:  # failed before its data was written: let go
+                job.bounded.release()
             try:
                 self._end_overlapped_write(job.kind)
             finally:

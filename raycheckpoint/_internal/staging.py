@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
+
+from raycheckpoint._internal import slab
 
 
 def signature(obj: Any, prefix: str = "") -> list[tuple]:
@@ -211,9 +212,11 @@ class HostStager:
     """One rank's host copies: the buffers of each kind of save, each kind's
     :class:`Staging`, and the copy itself.
 
-    Buffers are allocated on first use (or ahead of time by :meth:`prepare`), pinned
+    Buffers are allocated on first use (or ahead of time by :meth:`prepare`) as views
+    into one host slab per kind of save (:mod:`~raycheckpoint._internal.slab`), pinned
     where CUDA is present, and reused afterwards; a light save's buffers are the model
-    part of the full save's.  ``on_new_buffers(kind)`` is told when a kind gets new
+    part of the full save's.  :attr:`host_bytes`, :attr:`pinned_bytes` and
+    :meth:`pinned` say what they hold.  ``on_new_buffers(kind)`` is told when a kind gets new
     buffers (whatever was derived from the old ones is stale); ``who`` names the rank
     in errors.  On a GPU the copy runs on
     a stream of its own, after the training stream's work that produced the state.
@@ -224,27 +227,59 @@ class HostStager:
         self.who = who
         self.pin_memory = torch.cuda.is_available()
         self.staging: dict[str, Staging] = {}
+        self.slabs: dict[str, slab.Slab] = {}  # kind -> the slab its buffers view
         self._buffers: dict[str, tuple[list[tuple], dict[str, Any]]] = {}
         self._on_new_buffers = on_new_buffers
         self._copy_stream: Any = None
 
     def buffers_for(self, kind: str, state: dict[str, Any]) -> dict[str, Any]:
-        """The host buffers for ``state``'s structure, allocated on first use."""
+        """The host buffers for ``state``'s structure, allocated on first use: views
+        into one slab (:mod:`~raycheckpoint._internal.slab`)."""
         sig = signature(state)
         cached = self._buffers.get(kind)
         if cached is not None and cached[0] == sig:
             return cached[1]
         buffers = None
-        for _, other in self._buffers.values():  # light = the model part of full: share it
+        for other_kind, (_, other) in self._buffers.items():  # light = the model part of full
             if set(state) <= set(other) and all(
                     signature({k: state[k]}) == signature({k: other[k]}) for k in state):
                 buffers = {k: other[k] for k in state}
+                self.slabs[kind] = self.slabs[other_kind]
                 break
         if buffers is None:
-            buffers = _create_cpu_state_dict(state, pin_memory=self.pin_memory)
+            buffers, self.slabs[kind] = slab.host_copy_of(state, pin=self.pin_memory)
         self._buffers[kind] = (sig, buffers)
         self._on_new_buffers(kind)
         return buffers
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory this stager's buffers hold (each slab once)."""
+        return sum(s.nbytes for s in {id(s): s for s in self.slabs.values()}.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Of :attr:`host_bytes`, those that are pinned (``Tensor.is_pinned()``)."""
+        return sum(s.nbytes for s in {id(s): s for s in self.slabs.values()}.values()
+                   if s.is_pinned())
+
+    def pinned(self, kind: str) -> bool:
+        """Whether every staged buffer of ``kind`` is pinned, as ``Tensor.is_pinned()``
+        says of each (False before ``kind``'s first staging, or with none)."""
+        staging = self.staging.get(kind)
+        tensors = [] if staging is None else [t for t in staging.tensors() if t.numel()]
+        return bool(tensors) and all(t.is_pinned() for t in tensors)
+
+    def repack(self, kind: str) -> None:
+        """Move ``kind``'s buffers still in its slab into a slab of their own size, once
+        others moved out of it (a data file staged whole: ``ShardSaver._stage_files_whole``),
+        so the old slab is freed; nothing where no buffer moved."""
+        old = self.slabs.get(kind)
+        staging = self.staging.get(kind)
+        if old is None or staging is None or any(s is old for k, s in self.slabs.items()
+                                                 if k != kind):
+            return
+        self.slabs[kind] = slab.repack(list(staging.tensors()), old, pin=self.pin_memory)
 
     def prepare(self, kind: str, state: dict[str, Any]) -> int:
         """Allocate and touch the buffers now, so the first save's stall is a plain copy.

@@ -33,7 +33,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from raycheckpoint._internal.dcp.record_layout import RecordLayout, split_items
 from raycheckpoint._internal.dcp.save_plan import ReusingSavePlanner
-from raycheckpoint._internal.dcp.torch_records import contiguous_owner, record_pieces, save_record
+from raycheckpoint._internal.dcp.torch_records import (
+    contiguous_owner,
+    record_pieces,
+    save_record,
+    view_record_pieces,
+)
 from raycheckpoint.storage.direct_io import DIRECT_ALIGN
 
 # where a data file is staged whole (ShardPlan.adopt_image), each record's tensor data
@@ -67,9 +72,12 @@ class ShardPlan:
             return None
         if write_item.index not in self._pieces:
             tensor = self.planner.resolve_data(write_item)
-            owner = contiguous_owner(tensor)
-            same_memory = owner.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
-            self._pieces[write_item.index] = record_pieces(owner) if same_memory else None
+            pieces = view_record_pieces(tensor)  # a view into a staging slab
+            if pieces is None:
+                owner = contiguous_owner(tensor)
+                same = owner.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+                pieces = record_pieces(owner) if same else None
+            self._pieces[write_item.index] = pieces
         return self._pieces[write_item.index]
 
     def split(self, plan: SavePlan) -> tuple[list, list]:

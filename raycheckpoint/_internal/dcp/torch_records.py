@@ -19,9 +19,11 @@ from __future__ import annotations
 import inspect
 import io
 import math
+import mmap
 import pickle
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +85,56 @@ def record_pieces(t: torch.Tensor) -> tuple[bytes, memoryview, bytes] | None:
     if template is None:
         return None
     return template[0], _tensor_bytes(t), template[1]
+
+
+def view_record_pieces(t: torch.Tensor) -> tuple[bytes, memoryview, bytes] | None:
+    """:func:`record_pieces` of a contiguous CPU tensor that may view part of a larger
+    storage (a staging slab): the record ``torch.save`` writes for a copy of it alone,
+    its middle piece viewing ``t``'s memory; None where its layout has no template."""
+    if (not _NO_CRC_SAVE or type(t) is not torch.Tensor or t.device.type != "cpu"
+            or t.layout != torch.strided or t.requires_grad or t.is_conj() or t.is_neg()
+            or not t.is_contiguous() or t.numel() == 0):
+        return None
+    frame = record_frame(t.dtype, tuple(t.shape))
+    return None if frame is None else (frame[0], _tensor_bytes(t), frame[1])
+
+
+def record_frame(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[bytes, bytes] | None:
+    """The bytes before and after the data of the record of a contiguous ``dtype``
+    tensor of ``sizes`` (:func:`_template`'s), found without allocating such a tensor:
+    a layout not templated yet is written once from read-only zero pages (an anonymous
+    mapping, never faulted in), so a shard's records can be framed around data streamed
+    from elsewhere (a device, in bounded chunks).  None where torch writes no such
+    record (``_NO_CRC_SAVE`` off) or the layout cannot be framed."""
+    if not _NO_CRC_SAVE or not math.prod(sizes):
+        return None
+    nbytes = math.prod(sizes) * dtype.itemsize
+    strides, step = [], 1
+    for n in reversed(sizes):
+        strides.append(step)
+        step *= n
+    key = _layout_key(dtype, sizes, reversed(strides), nbytes)
+    if key in _TEMPLATES:
+        return _TEMPLATES[key]
+    if key not in _FRAMES:
+        zeros = mmap.mmap(-1, nbytes, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():  # read-only on purpose: never written
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(zeros, dtype=torch.uint8).view(dtype).view(sizes)
+        cap = _Capture(memoryview(zeros))
+        _torch_record(t, cap)
+        parts = cap.parts
+        frame = None
+        if parts.count(None) == 1:
+            at = parts.index(None)
+            frame = (b"".join(parts[:at]), b"".join(parts[at + 1:]))
+        if len(_FRAMES) >= _MAX_TEMPLATES:
+            _FRAMES.clear()
+        _FRAMES[key] = frame
+    return _FRAMES[key]
+
+
+_FRAMES: dict[tuple, tuple[bytes, bytes] | None] = {}  # record_frame's, by layout
 
 
 def _torch_record(obj: Any, f: Any) -> None:

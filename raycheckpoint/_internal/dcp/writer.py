@@ -41,7 +41,8 @@ from raycheckpoint._internal.dcp.torch_records import contiguous_owner, save_rec
 from raycheckpoint.protocol.paths import dcp_metadata
 from raycheckpoint.storage import FileEntry, Storage
 
-if TYPE_CHECKING:  # the saver hands it over; this layer does not make one
+if TYPE_CHECKING:  # the saver hands them over; this layer does not make them
+    from raycheckpoint._internal.bounded_write import BoundedBuffer
     from raycheckpoint._internal.overlapped_write import OverlappedWrite
 
 DCP_SUFFIX = ".distcp"
@@ -51,11 +52,16 @@ class HashingStorageWriter(StorageWriter):
     """Writes a rank's DCP files under ``dcp_dir`` (one, or two for large and small
     items), hashing while it streams; ``plan``: the rank's plan kept between saves (None:
     each record through torch's writer); ``early``: the files this save's snapshot is
-    writing while its copy fills them."""
+    writing while its copy fills them; ``bounded``: the state is the live tensors, their
+    data written through this bounded host buffer a chunk at a time
+    (:mod:`~raycheckpoint._internal.bounded_write`), released once this rank's data
+    files are written."""
 
     def __init__(self, storage: Storage, dcp_dir: str, plan: ShardPlan | None = None,
-                 early: OverlappedWrite | None = None) -> None:
+                 early: OverlappedWrite | None = None,
+                 bounded: BoundedBuffer | None = None) -> None:
         super().__init__()
+        self.bounded = bounded
         self.storage = storage
         self.dcp_dir = dcp_dir.rstrip("/")
         self.plan = plan
@@ -92,10 +98,15 @@ class HashingStorageWriter(StorageWriter):
         # the plan of the last save, agreed again: its split worked out once
         large, small = split_items(plan.items) if self.plan is None else self.plan.split(plan)
         results: list[WriteResult] = []
-        for k, items in ((0, large), (1, small)):
-            if items:
-                results += self._write_file(f"{plan.storage_data.prefix}{k}{DCP_SUFFIX}",
-                                            items, planner)
+        try:
+            for k, items in ((0, large), (1, small)):
+                if items:
+                    name = f"{plan.storage_data.prefix}{k}{DCP_SUFFIX}"
+                    results += (self._write_file(name, items, planner) if self.bounded is None
+                                else self._write_bounded(name, items, planner))
+        finally:
+            if self.bounded is not None:  # the live tensors are read no more
+                self.bounded.release()
         self.results = results
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -159,6 +170,38 @@ class HashingStorageWriter(StorageWriter):
 
         # the staged tensors stay in host memory until the commit: a failed upload is
         # written again from the start
+        results, entry = self.storage.retrying("write", rel, write_file)
+        self.written.append(entry)
+        return results
+
+    def _write_bounded(self, file_name: str, items: list, planner: SavePlanner) -> list[WriteResult]:
+        """Write ``file_name`` record by record, each tensor's data through the bounded
+        buffer: the bytes :meth:`_write_file` writes for the same values."""
+        rel = f"{self.dcp_dir}/{file_name}"
+        bounded = self.bounded
+        assert bounded is not None
+        items = sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)  # torch's order
+
+        def write_file() -> tuple[list[WriteResult], FileEntry]:
+            results: list[WriteResult] = []
+            w = self.storage.open_write(rel, encrypt=True, direct=True)
+            try:
+                with w:
+                    for item in items:
+                        at = w.tell()
+                        if item.type == WriteItemType.BYTE_IO:
+                            w.write_many([planner.resolve_data(item).getbuffer()])
+                        else:
+                            bounded.write_record(planner.resolve_data(item), w)
+                        length = w.tell() - at
+                        results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                                   storage_data=_StorageInfo(file_name, at, length)))
+            except Exception as e:
+                if w.error is not None and w.error is not e:
+                    raise w.error from e
+                raise
+            return results, w.close()
+
         results, entry = self.storage.retrying("write", rel, write_file)
         self.written.append(entry)
         return results
