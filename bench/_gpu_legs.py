@@ -1,5 +1,7 @@
-"""The legs of :mod:`bench.gpu_check`, each a function of its own process or of ranks it
-spawns (torch.distributed over TCP on 127.0.0.1; no Ray).
+"""The correctness legs of :mod:`bench.gpu_check` (round trip, reshard, kill) and what the
+legs share; each leg is a function of its own process or of ranks it spawns
+(torch.distributed over TCP on 127.0.0.1; no Ray).  The timing legs are in
+:mod:`bench._gpu_perf`.
 
 They run the library's own save and load path, below the Ray actors: the rank's
 :class:`~raycheckpoint._internal.staging.HostStager` (pinned buffers and a copy stream on
@@ -23,8 +25,20 @@ import torch
 import torch.distributed as dist
 
 GB = 1 << 30
+FAIL_ENV = "RAYCHECKPOINT_GPU_CHECK_FAIL"  # legs to fail (or hang) on purpose: LEG[:hang],...
 # the one-process saves run without a process group, as meant
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def maybe_fail(leg: str) -> None:
+    """Fail (or hang in) ``leg`` where the run was asked to (``gpu_check --fail``), here in
+    the leg's own process, as a real failure would."""
+    for item in filter(None, os.environ.get(FAIL_ENV, "").split(",")):
+        name, _, how = item.partition(":")
+        if name == leg:
+            if how == "hang":
+                time.sleep(3600)
+            raise RuntimeError(f"leg {leg} failed on purpose (gpu_check --fail {item})")
 
 
 def init_group(rank: int, world: int, port: int, device: str) -> None:
@@ -133,7 +147,13 @@ def roundtrip(device: str, port: int, root: str, width: int) -> dict[str, Any]:
         stager = HostStager("gpu-check rank 0")
         # the checkpoint's own collectives on a gloo group, as the workers run them
         ckpt_group = dist.new_group(backend="gloo")
+        pinned_before = pinned_allocator_bytes() if device == "cuda" else None
         entries = save(stager, state_of(net, optim), root, "ckpt", ckpt_group)
+        host = staged_host_memory(stager)
+        if pinned_before is not None and pinned_before.get("bytes") is not None:
+            after = pinned_allocator_bytes()
+            host["pinned_allocator_bytes"] = after["bytes"] - pinned_before["bytes"]
+            host["pinned_allocator_key"] = after["key"]
         expected = full_state(net, optim)
         torch.save({"entries": entries, "full": expected}, os.path.join(root, "saved.pt"))
         # back onto the device, into a fresh model (other weights until loaded)
@@ -149,7 +169,7 @@ def roundtrip(device: str, port: int, root: str, width: int) -> dict[str, Any]:
         same_cpu = _equal({k: v for k, v in expected.items() if k.startswith("model.")},
                           {f"model.{k}": v for k, v in cpu["model"].items()})
         return {"device_bitwise": same_device, "cpu_bitwise": same_cpu,
-                "pinned": stager.pin_memory, "files": len(entries),
+                "pinned": host["all_pinned"], **host, "files": len(entries),
                 "bytes": sum(e.size for e in entries.values())}
     finally:
         dist.destroy_process_group()
@@ -162,6 +182,11 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def reshard_rank(rank: int, world: int, port: int, root: str, width: int, out: dict) -> None:
     """One of ``world`` CPU ranks loading the one-rank checkpoint, resharded."""
+    try:
+        maybe_fail("reshard")
+    except RuntimeError as e:
+        out["error"] = str(e)
+        raise
     init_group(rank, world, port, "cpu")
     try:
         saved = torch.load(os.path.join(root, "saved.pt"), weights_only=False)
@@ -197,152 +222,105 @@ def load_on_device(device: str, port: int, root: str, width: int) -> dict[str, A
         dist.destroy_process_group()
 
 
-# ---- leg: stall against the pinned copy limit -------------------------------------------------
-
-
-def flat_state(device: str, nbytes: int, pieces: int = 32) -> dict[str, Any]:
-    """``nbytes`` of fp32 tensors on ``device``, shaped as a model + AdamW state (1 : 2)."""
-    per = max(1, nbytes // 4 // (3 * pieces))
-    model = {f"w{i}": torch.randn(per, device=device) for i in range(pieces)}
-    optim = {f"w{i}": {"exp_avg": torch.randn(per, device=device),
-                       "exp_avg_sq": torch.rand(per, device=device)} for i in range(pieces)}
-    return {"model": model, "optim": optim}
-
-
-def copy_limit_s(device: str, nbytes: int) -> float:
-    """Seconds of one device-to-host copy of ``nbytes`` into pinned memory (cpu: a memcpy)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=device == "cuda")
-    best = float("inf")
-    for _ in range(3):
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    del src, dst
-    return best
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def stall(device: str, nbytes: int, matmul: int) -> dict[str, float]:
-    """The blocked time of a save in default mode (plan + copy) and in overlap mode (plan
-    only; the copy runs on its stream while a matmul loop keeps the device busy)."""
-    import threading
-
-    from raycheckpoint._internal.staging import HostStager
-
-    state = flat_state(device, nbytes)
-    stager = HostStager("gpu-check")
-    stager.stage("full", state)  # buffers allocated and touched: steady state from here
-    default = []
-    for _ in range(3):
-        sync(device)
-        t0 = time.perf_counter()
-        stager.stage("full", state)
-        default.append(time.perf_counter() - t0)
-    a = torch.randn(matmul, matmul, device=device)
-
-    def steps(n: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            a @ a
-        sync(device)
-        return time.perf_counter() - t0
-
-    alone = steps(8) / 8
-    overlap, beside = [], []
-    for _ in range(3):
-        sync(device)
-        t0 = time.perf_counter()
-        _, copies, ready = stager.plan("full", state)
-        blocked = time.perf_counter() - t0
-        copier = threading.Thread(target=stager.copy, args=(copies, ready))
-        copier.start()
-        n, t1 = 0, time.perf_counter()
-        while copier.is_alive() or n < 2:
-            a @ a
-            n += 1
-            if device == "cuda":  # this stream only: the copy's stream runs on beside it
-                torch.cuda.current_stream().synchronize()
-        copier.join()
-        beside.append((time.perf_counter() - t1) / n)
-        overlap.append(blocked)
-    return {"default_s": sorted(default)[1], "overlap_s": sorted(overlap)[1],
-            "matmul_alone_s": alone, "matmul_beside_copy_s": sorted(beside)[1]}
-
-
-# ---- leg: memory over many saves ------------------------------------------------------------
-
-
-def memory_over_saves(device: str, nbytes: int, saves: int, root: str) -> dict[str, Any]:
-    import shutil
-
-    from raycheckpoint._internal.staging import HostStager
-
-    state = flat_state(device, nbytes)
-    stager = HostStager("gpu-check")
-    samples = []
-    for i in range(saves):
-        for v in state["model"].values():
-            v.add_(1.0)
-        save(stager, state, root, f"s{i % 2}")
-        shutil.rmtree(os.path.join(root, f"s{(i + 1) % 2}"), ignore_errors=True)
-        samples.append({"rss": _rss(), **(_cuda_memory() if device == "cuda" else {})})
-    return {"samples": samples}
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _cuda_memory() -> dict[str, int]:
-    out = {"gpu_reserved": torch.cuda.memory_reserved(), "gpu_allocated": torch.cuda.memory_allocated()}
-    # the staging buffers' pinned pages also count in the resident set (checked on every device)
-    stats = getattr(torch.cuda, "host_memory_stats", None)
-    if stats is not None and "reserved_bytes.current" in stats():
-        out["pinned_reserved"] = int(stats()["reserved_bytes.current"])
-    return out
-
-
 # ---- leg: a saving process killed -------------------------------------------------------------
 
 
-def saving_forever(device: str, nbytes: int, root: str, marker: str) -> None:
-    """Save again and again (the process is killed while it does)."""
+def host_state(device: str, nbytes: int, pieces: int = 32, seed: int = 0) -> dict[str, Any]:
+    """``nbytes`` of fp32 tensors on ``device``, shaped as a model + AdamW state (1 : 2)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    per = max(1, nbytes // 4 // (3 * pieces))
+
+    def t() -> torch.Tensor:
+        return torch.randn(per, generator=g).to(device)
+
+    return {"model": {f"w{i}": t() for i in range(pieces)},
+            "optim": {f"w{i}": {"exp_avg": t(), "exp_avg_sq": t().abs()} for i in range(pieces)}}
+
+
+def staged_host_memory(stager) -> dict[str, Any]:
+    """What a stager's buffers hold: bytes, and whether every one is pinned (``is_pinned``
+    on the staged tensors themselves, not the stager's intent)."""
+    tensors = [t for staging in stager.staging.values() for t in staging.tensors()]
+    return {"staged_bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "all_pinned": bool(tensors) and all(t.is_pinned() for t in tensors),
+            "pinned_bytes": getattr(stager, "pinned_bytes", None)}
+
+
+def pinned_allocator_bytes() -> dict[str, Any]:
+    """What torch's caching host (pinned) allocator holds, with the key torch reports it
+    under (``allocated_bytes.current`` today; ``reserved_bytes.current`` in some releases);
+    None where this torch reports neither."""
+    stats = torch.cuda.host_memory_stats()
+    for key in ("allocated_bytes.current", "reserved_bytes.current"):
+        if key in stats:
+            return {"bytes": int(stats[key]), "key": key}
+    return {"bytes": None, "key": None, "keys": sorted(stats)[:20]}
+
+
+def saving_forever(device: str, nbytes: int, root: str) -> None:
+    """Save again and again, a changed state each time, each save's files recorded in
+    ``k<i>.done`` once written (as a commit would), until killed."""
+    import json
+
     from raycheckpoint._internal.staging import HostStager
 
-    state = flat_state(device, nbytes)
+    state = host_state(device, nbytes)
     stager = HostStager("gpu-check")
     i = 0
     while True:
-        save(stager, state, root, f"k{i}")
-        if i == 0:
-            with open(marker, "w") as f:
-                f.write(str(os.getpid()))
+        for v in state["model"].values():
+            v.fill_(float(i))
+        entries = save(stager, state, root, f"k{i}")
+        tmp = os.path.join(root, f"k{i}.done.tmp")
+        with open(tmp, "w") as f:
+            json.dump({p: e.to_dict() for p, e in entries.items()}, f)
+        os.replace(tmp, os.path.join(root, f"k{i}.done"))
         i += 1
 
 
-def kill_while_saving(ctx, device: str, nbytes: int, root: str) -> dict[str, Any]:
-    marker = os.path.join(root, "saving")
+def kill_while_saving(device: str, nbytes: int, root: str) -> dict[str, Any]:
+    """SIGKILL a saving process during a save; then every save it finished must load,
+    verified, bitwise, and (GPU) its device memory must be free again."""
+    import json
+    import multiprocessing as mp
+
+    from raycheckpoint.storage.spec import FileEntry
+
     free_before = torch.cuda.mem_get_info()[0] if device == "cuda" else None
-    proc = ctx.Process(target=saving_forever, args=(device, nbytes, root, marker))
+    proc = mp.get_context("spawn").Process(target=saving_forever, args=(device, nbytes, root))
     proc.start()
-    deadline = time.time() + 240
-    while not os.path.exists(marker):
-        if time.time() > deadline or not proc.is_alive():
+    try:
+        deadline = time.time() + 90
+        while not os.path.exists(os.path.join(root, "k1.done")):
+            if time.time() > deadline or not proc.is_alive():
+                raise RuntimeError("the saving process never finished two saves")
+            time.sleep(0.02)
+        time.sleep(0.05)  # into a later save
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=60)
+    finally:
+        if proc.is_alive():
             proc.kill()
-            raise RuntimeError("the saving process never completed a first save")
-        time.sleep(0.05)
-    time.sleep(0.3)  # into a later save
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.join(timeout=60)
+            proc.join(30)
     out: dict[str, Any] = {"killed": proc.exitcode == -signal.SIGKILL}
+    done = sorted(int(n[1:-5]) for n in os.listdir(root) if n.endswith(".done"))
+    bitwise = []
+    for i in done:  # every finished save: verified against its record, the state it had
+        with open(os.path.join(root, f"k{i}.done")) as f:
+            entries = {p: FileEntry.from_dict(e) for p, e in json.load(f).items()}
+        want = host_state("cpu", nbytes)
+        for v in want["model"].values():
+            v.fill_(float(i))
+        got = {k: {n: torch.empty_like(t) for n, t in part.items()} if k == "model" else
+               {n: {m: torch.empty_like(t) for m, t in d.items()} for n, d in part.items()}
+               for k, part in want.items()}
+        load(got, root, f"k{i}", entries)
+        bitwise.append(all(torch.equal(got["model"][n], want["model"][n]) for n in want["model"])
+                       and all(torch.equal(got["optim"][n][m], want["optim"][n][m])
+                               for n in want["optim"] for m in want["optim"][n]))
+    out.update(finished_saves=len(done), finished_saves_bitwise=bool(done) and all(bitwise),
+               interrupted_save_files=len(os.listdir(os.path.join(root, f"k{done[-1] + 1}")))
+               if done and os.path.isdir(os.path.join(root, f"k{done[-1] + 1}")) else 0)
     if device == "cuda":
         deadline, free_after = time.time() + 30, 0
         while time.time() < deadline:

@@ -25,6 +25,7 @@ _EXPORTS = {
     "LightCheckpointError": "raycheckpoint.errors",
     "LeaseHeldError": "raycheckpoint.errors",
     "LeaseLostError": "raycheckpoint.errors",
+    "MissingDependencyError": "raycheckpoint.errors",
     "RayCheckpointError": "raycheckpoint.errors",
     "StorageCapabilityError": "raycheckpoint.errors",
     "CheckpointManager": "raycheckpoint.manager",

@@ -85,6 +85,11 @@ class LeaseLostError(RayCheckpointError, RuntimeError):
     """This job's lease on its checkpoint root was taken over by another job."""
 
 
+class MissingDependencyError(RayCheckpointError, ImportError):
+    """A package this operation needs cannot be imported here (the message says which,
+    and what to do instead)."""
+
+
 class StorageCapabilityError(RayCheckpointError, ValueError):
     """A root's backend cannot do safely what is asked of it: a job's ``LEASE`` or a
     ``COMMITTED`` marker on a backend without an atomic exclusive create.  ``uri`` names

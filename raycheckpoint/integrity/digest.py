@@ -11,7 +11,10 @@ and on one core sha256 was its slowest step (1.3 GB/s beside the tensor copies, 
 a warm 500 MB load took 453 ms with sha256, 291 ms with BLAKE3 and 117 ms without a
 check).  Both release the GIL.
 
-Kept free of torch and Ray, like :mod:`raycheckpoint.integrity.verify`.
+Kept free of torch and Ray, like :mod:`raycheckpoint.integrity.verify`.  The ``blake3``
+package is imported where a BLAKE3 digest is made, not before: a machine without it
+(a GPU node with no package index, say) still writes and reads sha256 checkpoints, and
+is told what is missing the moment it needs BLAKE3.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import blake3
+from raycheckpoint.errors import MissingDependencyError
 
 ALGORITHMS = ("blake3", "sha256")
 DEFAULT = "blake3"
@@ -35,11 +38,34 @@ def check_algorithm(algorithm: str) -> str:
     return algorithm
 
 
+def available(algorithm: str) -> bool:
+    """Whether this process can make ``algorithm``'s digests."""
+    if check_algorithm(algorithm) == "sha256":
+        return True
+    try:
+        import blake3  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _blake3() -> Any:
+    try:
+        import blake3
+    except ImportError as e:
+        raise MissingDependencyError(
+            "BLAKE3 checksums need the blake3 package, which this Python cannot import "
+            f"({e}): install it (pip install blake3), or write with "
+            "checkpoint.checksum_algorithm=sha256") from e
+    return blake3
+
+
 def new(algorithm: str, *, threads: int = 1) -> Any:
     """A hasher (``update``, ``hexdigest``) for ``algorithm``; ``threads``: BLAKE3's, for
     one large input (1 in a background save, which shares the cores with training)."""
     if check_algorithm(algorithm) == "sha256":
         return hashlib.sha256()
+    blake3 = _blake3()
     return blake3.blake3(max_threads=blake3.blake3.AUTO if threads == AUTO else max(1, threads))
 
 
