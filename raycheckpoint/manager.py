@@ -36,6 +36,7 @@ import ray
 
 from raycheckpoint import verifier
 from raycheckpoint._internal.rpc import get as _get
+from raycheckpoint._internal.save_round import fail_staged, settle
 from raycheckpoint.autosave import StepSaver
 from raycheckpoint.config import CheckpointConfig
 from raycheckpoint.errors import CheckpointSaveError
@@ -263,13 +264,13 @@ class CheckpointManager:
         try:
             begun = _get(begin_ref, wait_s + rpc)
         except Exception as e:
-            self._settle(snap_refs, wait_s + rpc)  # each drops its copy: nothing was named
+            settle(snap_refs, wait_s + rpc)  # each drops its copy: nothing was named
             if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, PermissionError)):
                 # storage failed (after its retries) before any worker wrote
                 return self._saves.failed_before_start(step, kind, time.perf_counter() - t0, e)
             raise  # the root is gone or not ours to write: not a failure of this one save
         if "existing" in begun:
-            self._settle(snap_refs, wait_s + rpc)
+            settle(snap_refs, wait_s + rpc)
             e = begun["existing"]
             return SaveHandle(self._record, save_id=None, name=e["name"], step=e["step"], kind=e["kind"],
                               stall_s=time.perf_counter() - t0, worker_stall_s=0.0,
@@ -283,8 +284,8 @@ class CheckpointManager:
         try:  # the workers report to the coordinator they were set up with
             snaps = _get(snap_refs, wait_s + rpc)
         except BaseException as e:
-            self._fail_staged(save_id, name, kind, writers,
-                              f"snapshot failed: {type(e).__name__}: {e}")
+            fail_staged(self._coordinator, save_id, name, kind, writers,
+                        f"snapshot failed: {type(e).__name__}: {e}", wait_s)
             raise CheckpointSaveError(f"snapshot for {name} failed: {type(e).__name__}: {e}",
                                       failures={"snapshot": repr(e)}) from e
         # a rank that could not read `begin`'s answer (its wait for it failed, where the
@@ -293,8 +294,8 @@ class CheckpointManager:
                 if s.get("dropped")}
         if lost:
             reason = "; ".join(f"{who}: {why}" for who, why in lost.items())
-            self._fail_staged(save_id, name, kind, writers, f"snapshot failed: {reason}",
-                              refusing=lost)
+            fail_staged(self._coordinator, save_id, name, kind, writers,
+                        f"snapshot failed: {reason}", wait_s, refusing=lost)
             raise CheckpointSaveError(f"snapshot for {name} failed: {reason}", failures=lost)
         # every rank answered before any persist thread competes for its GIL; sent from
         # here, so each start is queued ahead of the driver's next call to that worker (the
@@ -309,30 +310,6 @@ class CheckpointManager:
                             finished=finished, snapshots=snaps)
         self._saves.handles.append(handle)
         return handle
-
-    def _fail_staged(self, save_id: str, name: str, kind: str, writers: list[tuple[str, Any]],
-                     reason: str, refusing: dict[str, str] | None = None) -> None:
-        """Abort save ``save_id`` (step directory ``name``) after its snapshots; wait for no one.
-
-        The ranks that staged persist too, and meet a failed rank's refusal in their first
-        agreement: they end at once, not when the next save finds them waiting.  A rank
-        whose staging failed refused by itself; one in ``refusing`` (``"role/rank"`` -> why)
-        staged nothing and is told to refuse first.
-        """
-        self._coordinator.abort.remote(save_id, reason)
-        for who, w in writers:
-            if refusing and who in refusing:
-                w.ckpt_refuse.remote(save_id, name, kind, refusing[who],
-                                     self.config.save_wait_timeout_s)
-            w.ckpt_start_persist.remote(save_id, if_staged=True)
-
-    @staticmethod
-    def _settle(refs: list[Any], timeout: float) -> None:
-        """Wait for snapshots that will not be persisted (their errors are the save's own)."""
-        try:
-            ray.get(refs, timeout=timeout)
-        except Exception:  # the caller raises or records the save's failure
-            logger.debug("a dropped snapshot failed", exc_info=True)
 
     def wait_for_saves(self, timeout: float | None = None) -> None:
         """Wait for every save in flight; raise the first failure not yet observed."""
