@@ -4,7 +4,9 @@
 that has or can start GPU nodes) asks for one GPU per rank, ``cpu`` for none.  Each role
 gets its own placement group (``trainer.placement_strategy``), or with
 ``trainer.colocate=true`` one placement group holds rank i of every role in bundle i,
-sharing its GPU with fractional GPU resources, as verl's hybrid engine does.
+sharing its GPU with fractional GPU resources, as verl's hybrid engine does.  Before any
+placement group, :func:`drivers.capacity.check_capacity` refuses a job the cluster can
+never hold (it would wait out the placement timeout).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import ray
 
+from drivers.capacity import cluster_capacity, job_asks, shortfall
 from drivers.config import section
 from drivers.verl_keys import fail
 from workers.device import DEVICES
@@ -109,10 +112,19 @@ def placements(opts: dict[str, Any], roles: list[str], world: int, device: str) 
     return {role: shared if i == 0 else shared.another_group(RPC) for i, role in enumerate(roles)}
 
 
+def check_capacity(opts: dict[str, Any], roles: list[str], world: int, device: str) -> None:
+    """Refuse (one line, naming what the job asks for and what the cluster has) a job
+    the cluster can never hold, before any placement group waits for it."""
+    why = shortfall(job_asks(opts, roles, world, rank_resources(opts, device)), cluster_capacity(), opts)
+    if why:
+        fail(why)
+
+
 def start_groups(opts: dict[str, Any], roles: list[str], world: int,
                  total_steps: int) -> tuple[dict[str, list[Any]], str]:
     """Start every role's ranks (all actors first, then wait for all); the job's device."""
     device = job_device(opts)
+    check_capacity(opts, roles, world, device)
     specs = role_specs(opts, roles, total_steps)
     places = placements(opts, roles, world, device)
     groups = {role: start_ranks(cls, places[role], role=role, world_size=world, timeout_s=RPC,

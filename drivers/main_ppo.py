@@ -28,7 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from drivers import algos, data, verl_keys
 from drivers._ray import init_ray
-from drivers.config import from_mapping, parse_overrides, storage_options
+from drivers.config import from_mapping, parse_overrides, section, storage_options
 from drivers.exports import HFExports
 from drivers.groups import RPC, start_groups
 from raycheckpoint import (
@@ -45,7 +45,7 @@ from raycheckpoint.errors import StorageCapabilityError
 from raycheckpoint.integrity.crypto import EncryptionKeyError, FileCipher, load_key
 from raycheckpoint.resume import preflight
 from raycheckpoint.roots import read_tiers
-from workers.models import Vocab, check_model_dir
+from workers.models import Vocab, check_model_dir, parameter_bytes
 
 
 class DataState:
@@ -184,7 +184,8 @@ class Trainer:
 
     def start(self) -> None:
         """Start (or join) Ray, the worker groups and the checkpoint manager."""
-        init_ray()
+        # the local Ray's object store carries the actor's weights to the rollout on every sync
+        init_ray(model_bytes=lambda: parameter_bytes(section(self.opts, "actor_rollout_ref.model.")))
         self.groups, device = start_groups(self.opts, roles_of(self.opts), self.world, self.total_steps)
         if device == "cuda" and "checkpoint.overlap_copy" not in self.opts:
             # on GPUs the device-to-host copy runs on its stream beside the next step

@@ -78,6 +78,13 @@ def _free_port_on(node_id: str, timeout_s: float) -> int:
     ).remote(), timeout=timeout_s)
 
 
+def bundle_of(resources: dict[str, float], num_cpus: float = 0, share: int = 1) -> dict[str, float]:
+    """One rank's placement-group bundle: ``resources`` plus the CPUs of the ``share``
+    actors that run in it (what :func:`place_ranks` asks for, and what
+    :mod:`drivers.capacity` checks the cluster can hold)."""
+    return {**resources, **({"CPU": num_cpus * share} if num_cpus else {})}
+
+
 def place_ranks(world_size: int, *, resources: dict[str, float] | None = None,
                 num_cpus: float = 0, strategy: str = "PACK",
                 timeout_s: float = 600.0, share: int = 1) -> Placement:
@@ -96,7 +103,7 @@ def place_ranks(world_size: int, *, resources: dict[str, float] | None = None,
         return Placement("127.0.0.1", free_port())
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle = {**resources, **({"CPU": num_cpus * share} if num_cpus else {})}
+    bundle = bundle_of(resources, num_cpus, share)
     pg = ray.util.placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy)
     try:
         ray.get(pg.ready(), timeout=timeout_s)

