@@ -10,8 +10,9 @@
 # unpacks the wheel, leaves out the Java jars, RLlib, Data, Serve, Train, Tune, the LLM
 # library and the dashboard's web client, and packs the rest with xz -9 into
 # .gpu-wheels/job/ray-core.tar.xz (about 20 MB; about a minute on 2 cores), beside the
-# wheels of Ray's own dependencies the GPU machine lacks (click, jsonschema, protobuf:
-# 1.5 MB).  scripts/gpu_job_check.sh unpacks them into a private directory on arrival.
+# wheels of Ray's own dependencies the GPU machine lacks (click, jsonschema, protobuf,
+# psutil, pyyaml, requests: about 2 MB).  scripts/gpu_job_check.sh unpacks them into a
+# private directory on arrival.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOB=0
@@ -28,7 +29,8 @@ download --no-deps -d .gpu-wheels "blake3==1.0.11"
 if [ $JOB = 1 ]; then
   RAY_VERSION=$("$PY" -c "import importlib.metadata as m; print(m.version('ray'))")
   mkdir -p .gpu-wheels/job
-  download -d .gpu-wheels/job click jsonschema "protobuf>=3.20.3" "blake3==1.0.11"
+  download -d .gpu-wheels/job click jsonschema "protobuf>=3.20.3" psutil pyyaml requests \
+    "blake3==1.0.11"
   WORK=$(mktemp -d "${TMPDIR:-/tmp}/rc-gpu-wheels.XXXXXX")
   trap 'rm -rf "$WORK"' EXIT
   download --no-deps -d "$WORK" "ray==$RAY_VERSION"

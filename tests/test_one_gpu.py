@@ -168,6 +168,9 @@ def test_a_real_one_gpu_ray_refuses_the_defaults_and_runs_the_one_gpu_settings()
     assert out["status_seen"] and out["autoscaling"] is False
 
 
+# ~15 s: the check's refusal on a real Ray is in the default suite above; the driver's
+# own exit path runs with the long tests
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_the_driver_exits_at_once_with_one_line_not_a_traceback(tmp_path):
     t0 = time.monotonic()
@@ -306,6 +309,7 @@ def test_parameter_bytes_counts_the_policy_without_loading_it(tmp_path):
     assert on_disk == (model_dir / "model.safetensors").stat().st_size > 0
 
 
+@pytest.mark.long  # ~12 s; the sizing itself is unit-tested above
 @pytest.mark.timeout(300)
 def test_the_drivers_ray_starts_with_the_sized_object_store():
     out = probe({"num_cpus": 2, "model_bytes": 100 * MIB, "jobs": []})
