@@ -99,6 +99,16 @@ def view_record_pieces(t: torch.Tensor) -> tuple[bytes, memoryview, bytes] | Non
     return None if frame is None else (frame[0], _tensor_bytes(t), frame[1])
 
 
+def _contiguous_key(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[Any, int]:
+    """The layout key of a contiguous ``dtype`` tensor of ``sizes``, and its data bytes."""
+    nbytes = math.prod(sizes) * dtype.itemsize
+    strides, step = [], 1
+    for n in reversed(sizes):
+        strides.append(step)
+        step *= n
+    return _layout_key(dtype, sizes, reversed(strides), nbytes), nbytes
+
+
 def record_frame(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[bytes, bytes] | None:
     """The bytes before and after the data of the record of a contiguous ``dtype``
     tensor of ``sizes`` (:func:`_template`'s), found without allocating such a tensor:
@@ -108,12 +118,7 @@ def record_frame(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[bytes, byt
     record (``_NO_CRC_SAVE`` off) or the layout cannot be framed."""
     if not _NO_CRC_SAVE or not math.prod(sizes):
         return None
-    nbytes = math.prod(sizes) * dtype.itemsize
-    strides, step = [], 1
-    for n in reversed(sizes):
-        strides.append(step)
-        step *= n
-    key = _layout_key(dtype, sizes, reversed(strides), nbytes)
+    key, nbytes = _contiguous_key(dtype, sizes)
     if key in _TEMPLATES:
         return _TEMPLATES[key]
     if key not in _FRAMES:
@@ -350,12 +355,7 @@ def _read_template(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[bytes, b
     """
     if not _NO_CRC_SAVE:
         return None
-    nbytes = math.prod(sizes) * dtype.itemsize
-    strides, step = [], 1
-    for n in reversed(sizes):
-        strides.append(step)
-        step *= n
-    key = _layout_key(dtype, sizes, reversed(strides), nbytes)
+    key, nbytes = _contiguous_key(dtype, sizes)
     template = (_TEMPLATES[key] if key in _TEMPLATES
                 else _template(torch.empty(sizes, dtype=dtype)))
     return None if template is None else (*template, nbytes)
