@@ -4,8 +4,8 @@
     python -m bench.gpu_job_check --cpu OUT_DIR    # the same runs on cpu, a small model
 
 Three runs of ``drivers.main_ppo`` with the one-GPU settings (one rank per role, the
-roles colocated on the GPU; a Llama of about 300 MB built from config; 8 steps, a
-checkpoint every 2): straight; SIGKILLed after step 5 (``trainer.crash_at_step``, while
+roles colocated on the GPU; a Llama of about 400 MB, 100M fp32 parameters, built from
+config; 8 steps, a checkpoint every 2): straight; SIGKILLed after step 5 (``trainer.crash_at_step``, while
 that step's save may still persist); resumed with ``trainer.resume_mode=auto``.  Prints
 and writes to ``OUT_DIR/gpu_job_check.json``:
 
