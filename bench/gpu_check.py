@@ -115,8 +115,10 @@ def run_process(ctx, leg: str, module: str, fn: str, *args: Any, timeout: float)
 class Run:
     """The report, its legs and the file it is kept in (rewritten after every leg)."""
 
-    def __init__(self, path: str, report: dict[str, Any], deadline: float) -> None:
+    def __init__(self, path: str, report: dict[str, Any], deadline: float,
+                 leg_timeout_s: float = LEG_TIMEOUT_S) -> None:
         self.path, self.report, self.deadline = path, report, deadline
+        self.leg_timeout_s = leg_timeout_s
         report.setdefault("legs", {})
         report.setdefault("checks", {})
         self.write()
@@ -131,8 +133,10 @@ class Run:
     def check(self, name: str, ok: Any) -> None:
         self.report["checks"][name] = bool(ok)
 
-    def leg(self, name: str, body, *, needs: tuple[str, ...] = (), timeout: float = LEG_TIMEOUT_S):
-        """Run ``body(timeout)`` as leg ``name``; its result, or None where it did not pass."""
+    def leg(self, name: str, body, *, needs: tuple[str, ...] = (), scale: float = 1.0):
+        """Run ``body(timeout)`` as leg ``name`` (``scale`` times the run's leg timeout);
+        its result, or None where it did not pass."""
+        timeout = self.leg_timeout_s * scale
         missing = [n for n in needs if not self.passed(n)]
         left = self.deadline - time.monotonic()
         if missing:
@@ -232,7 +236,7 @@ def run_all(run: Run, device: str, sizes: list[float], work: str) -> None:
         nbytes = int(gb * legs.GB)
         name = _size_name(gb)
         row = run.leg(name, lambda t, n=nbytes, leg=name: run_process(
-            ctx, leg, "perf", "stall", device, n, timeout=t), timeout=LEG_TIMEOUT_S * (1 + gb / 8))
+            ctx, leg, "perf", "stall", device, n, timeout=t), scale=1 + gb / 8)
         if row is not None:
             limit = row["limit_s"]
             run.report["stall"].append({
@@ -302,9 +306,6 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device visible; run with --cpu for the CPU leg", file=sys.stderr)
         return 2
-    if args.leg_timeout_s:
-        global LEG_TIMEOUT_S
-        LEG_TIMEOUT_S = args.leg_timeout_s
     sizes = [float(s) for s in args.sizes.split(",")] if args.sizes else list(
         CPU_SIZES if args.cpu else FULL_SIZES if args.full else GPU_SIZES)
     os.environ[legs.FAIL_ENV] = ",".join(args.fail)  # read by the legs' processes
@@ -318,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check: checksums with {checksum}"
           + ("" if checksum == "blake3" else " (the blake3 package is not importable here)"),
           file=sys.stderr)
-    run = Run(os.path.join(args.out, "gpu_check.json"), report, time.monotonic() + deadline)
+    run = Run(os.path.join(args.out, "gpu_check.json"), report, time.monotonic() + deadline,
+              args.leg_timeout_s or LEG_TIMEOUT_S)
 
     def stop(signum: int, _frame: Any) -> None:
         raise Interrupted(signal.Signals(signum).name)
