@@ -94,18 +94,39 @@ def full_state(net, optim) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in flat.items() if isinstance(v, torch.Tensor)}
 
 
+def host_stager(who: str):
+    """A rank's :class:`~raycheckpoint._internal.staging.HostStager` (its host buffers)."""
+    from raycheckpoint._internal.staging import HostStager
+
+    return HostStager(who)
+
+
+def bounded_buffer(nbytes: int, *, pin: bool):
+    """The host buffer of ``checkpoint.host_buffer_bytes``
+    (:class:`~raycheckpoint._internal.bounded_write.BoundedBuffer`)."""
+    from raycheckpoint._internal.bounded_write import BoundedBuffer
+
+    return BoundedBuffer(nbytes, pin=pin)
+
+
 def save(stager, state: dict[str, Any], root: str, name: str, group: Any = None) -> dict:
     """Stage ``state`` (host copy) and write it as DCP with checksums; the files' entries."""
+    return write(stager.stage("full", state), root, name, group)
+
+
+def write(state: dict[str, Any], root: str, name: str, group: Any = None,
+          bounded: Any = None) -> dict:
+    """Write ``state`` as DCP with checksums: staged, or with ``bounded`` (a
+    :func:`bounded_buffer`, begun) its live tensors through that buffer; the files' entries."""
+    from raycheckpoint._internal.bounded_write import live_state
     from raycheckpoint._internal.dcp.save import save_state
     from raycheckpoint._internal.dcp.shard_plan import ShardPlan
     from raycheckpoint._internal.dcp.writer import HashingStorageWriter
     from raycheckpoint.storage import Storage
 
-    storage = Storage(root, checksum=checksum())
-    staged = stager.stage("full", state)
     plan = ShardPlan()
-    writer = HashingStorageWriter(storage, name, plan)
-    save_state(staged, writer, plan, group)
+    writer = HashingStorageWriter(Storage(root, checksum=checksum()), name, plan, None, bounded)
+    save_state(state if bounded is None else live_state(state), writer, plan, group)
     return {e.path: e for e in writer.written}
 
 
@@ -118,11 +139,11 @@ def load(state: dict[str, Any], root: str, name: str, expected: dict) -> None:
 
 
 def checksum() -> str:
-    try:
-        import blake3  # noqa: F401
-    except ImportError:  # the format's other algorithm: same checks, one core
-        return "sha256"
-    return "blake3"
+    """BLAKE3 where this Python has it, else the format's other algorithm (same checks,
+    one core)."""
+    from raycheckpoint.integrity import digest
+
+    return "blake3" if digest.available("blake3") else "sha256"
 
 
 def gather_entries(entries: dict, world: int) -> dict:
@@ -138,13 +159,11 @@ def gather_entries(entries: dict, world: int) -> dict:
 
 
 def roundtrip(device: str, port: int, root: str, width: int) -> dict[str, Any]:
-    from raycheckpoint._internal.staging import HostStager
-
     init_group(0, 1, port, device)
     try:
         net, optim = fsdp_model(device, 1, width)
         train_step(net, optim, device, width, 1)
-        stager = HostStager("gpu-check rank 0")
+        stager = host_stager("gpu-check rank 0")
         # the checkpoint's own collectives on a gloo group, as the workers run them
         ckpt_group = dist.new_group(backend="gloo")
         pinned_before = pinned_allocator_bytes() if device == "cuda" else None
@@ -197,10 +216,8 @@ def reshard_rank(rank: int, world: int, port: int, root: str, width: int, out: d
         if rank == 0:
             out["reshard_bitwise"] = _equal(saved["full"], got)
         # and the reverse trip: a checkpoint these cpu ranks save, for the device to load
-        from raycheckpoint._internal.staging import HostStager
-
         train_step(net, optim, "cpu", width, 7)
-        entries = gather_entries(save(HostStager(f"cpu rank {rank}"), state_of(net, optim), root,
+        entries = gather_entries(save(host_stager(f"cpu rank {rank}"), state_of(net, optim), root,
                                       "ckpt_cpu", dist.new_group(backend="gloo")), world)
         full = full_state(net, optim)
         if rank == 0:
@@ -266,10 +283,8 @@ def saving_forever(device: str, nbytes: int, root: str) -> None:
     ``k<i>.done`` once written (as a commit would), until killed."""
     import json
 
-    from raycheckpoint._internal.staging import HostStager
-
     state = host_state(device, nbytes, portable=True)
-    stager = HostStager("gpu-check")
+    stager = host_stager("gpu-check")
     i = 0
     while True:
         for v in state["model"].values():

@@ -18,7 +18,16 @@ from typing import Any
 
 import torch
 
-from bench._gpu_legs import checksum, host_state, load, pinned_allocator_bytes, save, staged_host_memory
+from bench._gpu_legs import (
+    bounded_buffer,
+    host_stager,
+    host_state,
+    load,
+    pinned_allocator_bytes,
+    save,
+    staged_host_memory,
+    write,
+)
 
 
 def sync(device: str) -> None:
@@ -47,20 +56,25 @@ def _median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def stall(device: str, nbytes: int, rounds: int = 3) -> dict[str, Any]:
-    """Blocked time of a save in default mode and in overlap mode, beside the copy limit."""
-    from raycheckpoint._internal.staging import HostStager
-
-    limit = copy_limit_s(device, nbytes)
-    state = host_state(device, nbytes)
-    stager = HostStager("gpu-check")
-    stager.stage("full", state)  # buffers allocated and touched: steady state from here
-    default = []
+def staged_stalls(stager, state: dict[str, Any], device: str, rounds: int = 3) -> list[float]:
+    """Seconds of each of ``rounds`` stagings of ``state`` (the default mode's stall), after
+    a first one that allocates and touches the buffers: steady state."""
+    stager.stage("full", state)
+    out = []
     for _ in range(rounds):
         sync(device)
         t0 = time.perf_counter()
         stager.stage("full", state)
-        default.append(time.perf_counter() - t0)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def stall(device: str, nbytes: int, rounds: int = 3) -> dict[str, Any]:
+    """Blocked time of a save in default mode and in overlap mode, beside the copy limit."""
+    limit = copy_limit_s(device, nbytes)
+    state = host_state(device, nbytes)
+    stager = host_stager("gpu-check")
+    default = staged_stalls(stager, state, device, rounds)
 
     n = 8192 if device == "cuda" else 256
     a = torch.randn(n, n, device=device)
@@ -102,10 +116,8 @@ def stall(device: str, nbytes: int, rounds: int = 3) -> dict[str, Any]:
 
 
 def memory_over_saves(device: str, nbytes: int, saves: int, root: str) -> dict[str, Any]:
-    from raycheckpoint._internal.staging import HostStager
-
     state = host_state(device, nbytes)
-    stager = HostStager("gpu-check")
+    stager = host_stager("gpu-check")
     samples = []
     for i in range(saves):
         for v in state["model"].values():
@@ -134,24 +146,9 @@ def budget_stall(device: str, nbytes: int, budget: int, root: str) -> dict[str, 
     (``checkpoint.host_buffer_bytes``): training's stall (until the buffer is released),
     the host memory it held, and the files loaded back verified, bitwise; beside the stall
     of a staged save of the same state."""
-    from raycheckpoint._internal.bounded_write import BoundedBuffer, live_state
-    from raycheckpoint._internal.dcp.save import save_state
-    from raycheckpoint._internal.dcp.shard_plan import ShardPlan
-    from raycheckpoint._internal.dcp.writer import HashingStorageWriter
-    from raycheckpoint._internal.staging import HostStager
-    from raycheckpoint.storage import Storage
-
     state = host_state(device, nbytes)
-    stager = HostStager("gpu-check")
-    stager.stage("full", state)
-    staged = []
-    for _ in range(3):
-        sync(device)
-        t0 = time.perf_counter()
-        stager.stage("full", state)
-        staged.append(time.perf_counter() - t0)
-    del stager
-    bounded = BoundedBuffer(budget, pin=device == "cuda")
+    staged = staged_stalls(host_stager("gpu-check"), state, device)
+    bounded = bounded_buffer(budget, pin=device == "cuda")
     stalls, entries = [], {}
     for i in range(2):  # the first allocates the buffer
         ready = None
@@ -161,14 +158,10 @@ def budget_stall(device: str, nbytes: int, budget: int, root: str) -> dict[str, 
         sync(device)
         t0 = time.perf_counter()
         bounded.begin(ready)
-        plan = ShardPlan()
-        writer = HashingStorageWriter(Storage(root, checksum=checksum()), f"b{i}", plan, None,
-                                      bounded)
-        save_state(live_state(state), writer, plan)
+        entries = write(state, root, f"b{i}", bounded=bounded)
         if not bounded.released.wait(600):
             raise RuntimeError("the bounded save never released its buffer")
         stalls.append(time.perf_counter() - t0)
-        entries = {e.path: e for e in writer.written}
     got = host_state("cpu", nbytes, seed=1)
     load(got, root, "b1", entries)
     want = {k: v.cpu() for k, v in state["model"].items()}

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from drivers.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS, SAVE_FREQ, CRASH = 8, 2, 5
 GPU_MODEL = {"hidden_size": 1024, "intermediate_size": 4096, "num_layers": 6, "num_heads": 16}
@@ -58,14 +60,9 @@ def run_job(args: list[str], timeout: float, log: Path) -> dict[str, Any]:
 
 
 def metrics(root: Path) -> dict[int, dict[str, Any]]:
+    """The run's ``metrics.jsonl`` (none before its first step)."""
     path = root / "metrics.jsonl"
-    if not path.exists():
-        return {}
-    out = {}
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec
-    return out
+    return read_metrics(path) if path.exists() else {}
 
 
 def gpu_free() -> int | None:
