@@ -30,9 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from raycheckpoint._internal.dcp.torch_records import contiguous_owner, record_frame, save_record
 from raycheckpoint._internal.slab import Slab
+from raycheckpoint._internal.staging import ATOMIC
 from raycheckpoint.errors import CheckpointSaveError
-
-_ATOMIC = frozenset((str, int, float, bool, type(None), bytes))
 
 
 def live_state(obj: Any) -> Any:
@@ -43,7 +42,7 @@ def live_state(obj: Any) -> Any:
         return type(obj)(live_state(v) for v in obj)
     if isinstance(obj, torch.Tensor):  # DTensors too: DCP reads their shard layout
         return obj.detach()
-    return obj if type(obj) in _ATOMIC else copy.deepcopy(obj)
+    return obj if type(obj) in ATOMIC else copy.deepcopy(obj)
 
 
 class BoundedBuffer:

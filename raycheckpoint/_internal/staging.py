@@ -42,7 +42,7 @@ def signature(obj: Any, prefix: str = "") -> list[tuple]:
 
 
 # immutable leaves: staged as they are (anything else is deep-copied)
-_ATOMIC = frozenset((str, int, float, bool, type(None), bytes))
+ATOMIC = frozenset((str, int, float, bool, type(None), bytes))
 _DICT, _SEQ, _VALUES, _TENSOR, _VALUE = range(5)
 
 
@@ -51,7 +51,7 @@ class _Changed(Exception):
 
 
 def _value(src: Any) -> Any:
-    if type(src) in _ATOMIC:
+    if type(src) in ATOMIC:
         return src
     if isinstance(src, (torch.Tensor, dict, list, tuple)):
         raise _Changed
@@ -79,6 +79,7 @@ class Staging:
             self.root = self._compile(state, buffers)
         self.bytes = tensor_bytes(buffers)
         self.empty = not state  # nothing to save in DCP's format (extra state only)
+        self.pinned: bool | None = None  # every buffer pinned (HostStager.pinned)
 
     def _compile(self, src: Any, buf: Any) -> list:
         if isinstance(src, dict):
@@ -135,7 +136,7 @@ class Staging:
         if tag == _VALUES:
             if type(src) is not node[1] or len(src) != node[2]:
                 raise _Changed
-            if all(type(v) in _ATOMIC for v in src):
+            if all(type(v) in ATOMIC for v in src):
                 return node[1](src)
             return node[1](_value(v) for v in src)
         if tag == _SEQ:
@@ -252,23 +253,32 @@ class HostStager:
         self._on_new_buffers(kind)
         return buffers
 
+    def _distinct_slabs(self) -> list[slab.Slab]:
+        """Each slab once (a light save's kind shares the full save's)."""
+        return list({id(s): s for s in self.slabs.values()}.values())
+
     @property
     def host_bytes(self) -> int:
         """Bytes of host memory this stager's buffers hold (each slab once)."""
-        return sum(s.nbytes for s in {id(s): s for s in self.slabs.values()}.values())
+        return sum(s.nbytes for s in self._distinct_slabs())
 
     @property
     def pinned_bytes(self) -> int:
         """Of :attr:`host_bytes`, those that are pinned (``Tensor.is_pinned()``)."""
-        return sum(s.nbytes for s in {id(s): s for s in self.slabs.values()}.values()
-                   if s.is_pinned())
+        return sum(s.nbytes for s in self._distinct_slabs() if s.is_pinned())
 
     def pinned(self, kind: str) -> bool:
         """Whether every staged buffer of ``kind`` is pinned, as ``Tensor.is_pinned()``
-        says of each (False before ``kind``'s first staging, or with none)."""
+        says of each (False before ``kind``'s first staging, or with none).  Asked once
+        per :class:`Staging`: every save answers with it, and a buffer keeps its memory's
+        pinning while its staging lives (a repacked slab is pinned as the old one)."""
         staging = self.staging.get(kind)
-        tensors = [] if staging is None else [t for t in staging.tensors() if t.numel()]
-        return bool(tensors) and all(t.is_pinned() for t in tensors)
+        if staging is None:
+            return False
+        if staging.pinned is None:
+            tensors = [t for t in staging.tensors() if t.numel()]
+            staging.pinned = bool(tensors) and all(t.is_pinned() for t in tensors)
+        return staging.pinned
 
     def repack(self, kind: str) -> None:
         """Move ``kind``'s buffers still in its slab into a slab of their own size, once

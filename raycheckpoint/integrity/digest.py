@@ -43,8 +43,8 @@ def available(algorithm: str) -> bool:
     if check_algorithm(algorithm) == "sha256":
         return True
     try:
-        import blake3  # noqa: F401
-    except ImportError:
+        _blake3()
+    except MissingDependencyError:
         return False
     return True
 
