@@ -2,10 +2,10 @@
 device-to-host copy limit, and memory over many saves.  Each runs in a process of its own.
 
 The stall is what training is blocked for.  In default mode that is the whole staging
-(:meth:`~raycheckpoint._internal.staging.HostStager.plan` and the copy).  In overlap mode
-(``checkpoint.overlap_copy``) it is the plan, then, after a training step's work (a loop
-of matmuls on the training stream lasting about twice the copy), the wait the optimizer
-step's hook pays for what is not yet copied: the same wait as ``ckpt_wait_copy``.
+(the stager's plan and the copy).  In overlap mode (``checkpoint.overlap_copy``) it is
+the plan, then, after a training step's work (a loop of matmuls on the training stream
+lasting about twice the copy), the wait the optimizer step's hook pays for what is not
+yet copied: the same wait as ``ckpt_wait_copy``.
 """
 
 from __future__ import annotations
