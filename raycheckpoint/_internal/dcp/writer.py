@@ -25,6 +25,7 @@ DCP call order (all ranks unless noted): ``reset`` -> ``set_up_storage_writer`` 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -128,51 +129,40 @@ class HashingStorageWriter(StorageWriter):
                 self.written.append(entry)
                 return list(staged_whole[1])
 
-        def write_file() -> tuple[list[WriteResult], FileEntry]:
+        def body(w: Any) -> list[WriteResult]:
+            if staged_whole is not None:  # the file's bytes, staged as one block
+                w.write_many([staged_whole[0]])
+                return list(staged_whole[1])
+            if layout is not None:  # every record's pieces known: a few large pieces
+                pieces, results = layout.pieces(planner)
+                w.write_many(pieces)
+                return results
             results: list[WriteResult] = []
-            w = self.storage.open_write(rel, encrypt=True, direct=True)
-            try:
-                if staged_whole is not None:  # the file's bytes, staged as one block
-                    with w:
-                        w.write_many([staged_whole[0]])
-                    return list(staged_whole[1]), w.close()
-                if layout is not None:  # every record's pieces known: a few large pieces
-                    pieces, results = layout.pieces(planner)
-                    with w:
-                        w.write_many(pieces)
-                    return results, w.close()
-                with w:
-                    pending: list = []  # records not yet written: one gathered write
-                    at = 0  # where the next record starts
-                    for item in items:
-                        pieces = None if pieces_of is None else pieces_of(item)
-                        if pieces is not None:
-                            length = sum(memoryview(p).nbytes for p in pieces)
-                            pending.extend(pieces)
-                        elif item.type == WriteItemType.BYTE_IO:
-                            buf = planner.resolve_data(item).getbuffer()
-                            length = buf.nbytes
-                            pending.append(buf)
-                        else:
-                            w.write_many(pending)
-                            pending = []
-                            save_record(contiguous_owner(planner.resolve_data(item)), w)
-                            length = w.tell() - at
-                        results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                                   storage_data=_StorageInfo(file_name, at, length)))
-                        at += length
+            pending: list = []  # records not yet written: one gathered write
+            at = 0  # where the next record starts
+            for item in items:
+                pieces = None if pieces_of is None else pieces_of(item)
+                if pieces is not None:
+                    length = sum(memoryview(p).nbytes for p in pieces)
+                    pending.extend(pieces)
+                elif item.type == WriteItemType.BYTE_IO:
+                    buf = planner.resolve_data(item).getbuffer()
+                    length = buf.nbytes
+                    pending.append(buf)
+                else:
                     w.write_many(pending)
-            except Exception as e:
-                if w.error is not None and w.error is not e:
-                    raise w.error from e  # the real cause, not torch's rewording of it
-                raise
-            return results, w.close()
+                    pending = []
+                    save_record(contiguous_owner(planner.resolve_data(item)), w)
+                    length = w.tell() - at
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(file_name, at, length)))
+                at += length
+            w.write_many(pending)
+            return results
 
         # the staged tensors stay in host memory until the commit: a failed upload is
         # written again from the start
-        results, entry = self.storage.retrying("write", rel, write_file)
-        self.written.append(entry)
-        return results
+        return self._write_retried(rel, body)
 
     def _write_bounded(self, file_name: str, items: list, planner: SavePlanner) -> list[WriteResult]:
         """Write ``file_name`` record by record, each tensor's data through the bounded
@@ -182,23 +172,35 @@ class HashingStorageWriter(StorageWriter):
         assert bounded is not None
         items = sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)  # torch's order
 
-        def write_file() -> tuple[list[WriteResult], FileEntry]:
+        def body(w: Any) -> list[WriteResult]:
             results: list[WriteResult] = []
+            for item in items:
+                at = w.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    w.write_many([planner.resolve_data(item).getbuffer()])
+                else:
+                    bounded.write_record(planner.resolve_data(item), w)
+                length = w.tell() - at
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(file_name, at, length)))
+            return results
+
+        # the live tensors are held until the buffer is released: a failed upload is
+        # written again from the start
+        return self._write_retried(rel, body)
+
+    def _write_retried(self, rel: str, body: Callable[[Any], list[WriteResult]]
+                       ) -> list[WriteResult]:
+        """Write file ``rel`` with ``body(w)`` (which returns its records' results),
+        from the start again where the storage retries; its entry joins :attr:`written`."""
+        def write_file() -> tuple[list[WriteResult], FileEntry]:
             w = self.storage.open_write(rel, encrypt=True, direct=True)
             try:
                 with w:
-                    for item in items:
-                        at = w.tell()
-                        if item.type == WriteItemType.BYTE_IO:
-                            w.write_many([planner.resolve_data(item).getbuffer()])
-                        else:
-                            bounded.write_record(planner.resolve_data(item), w)
-                        length = w.tell() - at
-                        results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                                   storage_data=_StorageInfo(file_name, at, length)))
+                    results = body(w)
             except Exception as e:
                 if w.error is not None and w.error is not e:
-                    raise w.error from e
+                    raise w.error from e  # the real cause, not torch's rewording of it
                 raise
             return results, w.close()
 
