@@ -13,11 +13,18 @@
 # fails the tests: tests/ray_temp_guard.py) instead of sharing another run's.  Inside the namespaces the
 # machine's /tmp/ray, when there is one, is covered by an empty directory of this run:
 # what other Ray instances keep there cannot leak in, and nothing leaks out to them.
+#
+# A driver's own local Ray (drivers/_ray.py) keeps its files under RAYCHECKPOINT_RAY_TMPDIR,
+# and its reaper removes them once the driver is gone; here the PID namespace ends the
+# reaper with the command, so that directory is one of this run's too, removed after it
+# (under /tmp, short: Ray's socket paths must stay under 108 bytes).
 set -euo pipefail
 RUN="$(mktemp -d "${TMPDIR:-/tmp}/raycheckpoint-run.XXXXXX")"
-trap 'rm -rf "$RUN"' EXIT
+RAYRUN="$(mktemp -d /tmp/rcr.XXXXXX)"
+trap 'rm -rf "$RUN" "$RAYRUN"' EXIT
 mkdir "$RUN/home" "$RUN/tmp" "$RUN/tmp-ray"
 export HOME="$RUN/home" TMPDIR="$RUN/tmp"
+export RAYCHECKPOINT_RAY_TMPDIR="${RAYCHECKPOINT_RAY_TMPDIR:-$RAYRUN}"
 unset RAY_TMPDIR
 if unshare --net --pid --mount --fork --mount-proc true 2>/dev/null; then
   unshare --net --pid --mount --fork --mount-proc bash -c '
