@@ -21,7 +21,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,18 +30,14 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from workers.group import free_port
+
 BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph")
 START_TIMEOUT_S = int(os.environ.get("RGW_START_TIMEOUT_S", "120"))
 
 
 def missing_binaries() -> list[str]:
     return [b for b in BINARIES if shutil.which(b) is None]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RadosGateway:
@@ -54,7 +49,7 @@ class RadosGateway:
             raise RuntimeError(f"Ceph's RADOS Gateway needs {', '.join(missing)} "
                                "(Debian packages radosgw ceph-mon ceph-osd)")
         self.dir = Path(tempfile.mkdtemp(prefix="rcrgw-", dir="/tmp"))
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.key = "RC" + secrets.token_hex(9).upper()
         self.secret = secrets.token_urlsafe(30)
@@ -81,7 +76,7 @@ class RadosGateway:
         d = self.dir
         for sub in ("mon/ceph-a", "osd/ceph-0", "run", "log", "rgw"):
             (d / sub).mkdir(parents=True)
-        self.mon_port = _free_port()
+        self.mon_port = free_port()
         self.fsid = str(uuid.uuid4())
         self.conf.write_text(f"""[global]
 fsid = {self.fsid}

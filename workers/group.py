@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -20,11 +21,56 @@ import ray
 import torch
 import torch.distributed as dist
 
+# Ports this process has handed out: never handed out twice, so two groups started
+# together cannot both be told the same master port.
+_GIVEN: set[int] = set()
+_LISTEN_LOW = 20000  # above Ray's worker ports (10002-19999 by default)
 
-def free_port() -> int:
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(exclude: Collection[int] = ()) -> int:
+    """A TCP port free on this host now, for a server that binds it a moment later.
+
+    It is drawn outside the kernel's ephemeral range: a port from ``bind(("", 0))``
+    can be taken, before the server binds it, by any process's outgoing connection
+    (seen as ``EADDRINUSE`` from a process group's store), while a port below that
+    range is only ever taken by a server that names it.  Never a port in ``exclude``
+    or one this process has already handed out.
+    """
+    low, _ = _ephemeral_range()
+    taken = _GIVEN.union(exclude)
+    if low - _LISTEN_LOW >= 1024:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(_LISTEN_LOW, low)
+            if port not in taken and _bindable(port):
+                _GIVEN.add(port)
+                return port
+    for _ in range(200):  # a host whose ephemeral range leaves no room below it
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            _GIVEN.add(port)
+            return port
+    raise RuntimeError("no free TCP port found on this host after 400 tries")
 
 
 def init_process_group(*, rank: int, world_size: int, master_addr: str, master_port: int,
@@ -73,9 +119,11 @@ class Placement:
 def _free_port_on(node_id: str, timeout_s: float) -> int:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return ray.get(ray.remote(free_port).options(
+    port = ray.get(ray.remote(free_port).options(
         num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-    ).remote(), timeout=timeout_s)
+    ).remote(sorted(_GIVEN)), timeout=timeout_s)
+    _GIVEN.add(port)
+    return port
 
 
 def bundle_of(resources: dict[str, float], num_cpus: float = 0, share: int = 1) -> dict[str, float]:
