@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv and install raycheckpoint into it.  Usage: scripts/setup.sh [test]
+# Create .venv and install raycheckpoint into it, with what the README's commands need: the
+# RL job's extra (the demo), and for `test` the test suite's and vLLM's.
+# Usage: scripts/setup.sh [test]
 # Versions are pinned by scripts/constraints.txt (the CPU torch build: an unpinned torch can
 # pull a multi-GB CUDA build); the package itself declares only the ranges it supports.
 set -euo pipefail
@@ -13,8 +15,8 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c scripts/c
 if [ "${1:-}" = "test" ]; then
   # the tests include the vLLM rollout (CPU build); it pulls torchvision/torchaudio/torchcodec
   # builds that fail to import beside this torch, and nothing here uses them
-  "${PIP[@]}" -e ".[test,vllm]"
+  "${PIP[@]}" -e ".[job,test,vllm]"
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
-  "${PIP[@]}" -e .
+  "${PIP[@]}" -e ".[job]"
 fi

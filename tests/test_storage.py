@@ -230,3 +230,18 @@ def test_a_job_refuses_a_root_only_its_own_process_sees():
 
     with pytest.raises(ValueError, match="process-local"):
         CheckpointManager(CheckpointConfig(save_dir=f"memory://rc-{uuid.uuid4().hex[:8]}"), {})
+
+
+def test_an_s3_root_without_s3fs_names_the_package_and_the_extra():
+    """s3fs is the [s3] extra, not a requirement: without it an S3 root says what to install."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from raycheckpoint import Storage, MissingDependencyError\n"
+            "try:\n    Storage('s3://bucket/job')\nexcept MissingDependencyError as e:\n    print(e)\n")
+    done = subprocess.run(["bash", "scripts/without.sh", "s3fs", "--", sys.executable, "-c", code],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "s3://bucket/job" in done.stdout and "raycheckpoint[s3]" in done.stdout, done.stdout

@@ -21,6 +21,12 @@ import fsspec
 if TYPE_CHECKING:
     from raycheckpoint.storage.base import Storage
 
+# What a kind's backend needs beyond fsspec: the package, and the extra that installs it
+NEEDS: dict[str, tuple[str, str]] = {
+    "s3": ("s3fs", "s3"),
+    "s3a": ("s3fs", "s3"),
+}
+
 BACKENDS: dict[str, str] = {
     "file": "raycheckpoint.storage.posix:LocalStorage",
     "local": "raycheckpoint.storage.posix:LocalStorage",
@@ -39,8 +45,21 @@ def kind_of(uri: str) -> str:
 
 
 def backend_for(uri: str) -> type[Storage]:
-    """The Storage class that serves ``uri``."""
-    target = BACKENDS.get(kind_of(uri))
+    """The Storage class that serves ``uri``; a
+    :class:`~raycheckpoint.errors.MissingDependencyError` naming the package and extra when
+    the kind's client library is not installed here."""
+    kind = kind_of(uri)
+    if kind in NEEDS:
+        package, extra = NEEDS[kind]
+        try:
+            importlib.import_module(package)
+        except ImportError as e:
+            from raycheckpoint.errors import MissingDependencyError
+
+            raise MissingDependencyError(
+                f"{uri}: a {kind}:// root needs {package}, which cannot be imported here ({e}); "
+                f"install it with: pip install 'raycheckpoint[{extra}]'") from e
+    target = BACKENDS.get(kind)
     if target is None:
         from raycheckpoint.storage.base import Storage
 
