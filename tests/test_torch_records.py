@@ -10,6 +10,7 @@ import zipfile
 import pytest
 import torch
 
+from raycheckpoint._internal.dcp import torch_records
 from raycheckpoint._internal.dcp.torch_records import load_record, save_record
 
 
@@ -28,7 +29,13 @@ def _record(t: torch.Tensor) -> memoryview:
     lambda: torch.tensor([True, False, True]),
     lambda: torch.empty(0, 4),
 ], ids=["fp32", "bf16", "transposed", "view", "scalar", "bool", "empty"])
-def test_load_record_matches_torch_load_and_views_the_buffer(make):
+@pytest.mark.parametrize("reuse", [None, False], ids=["this-torch", "no-layout-reuse"])
+def test_load_record_matches_torch_load_and_views_the_buffer(make, reuse, monkeypatch):
+    """``no-layout-reuse``: the path of a torch whose zip reader cannot say a record's size
+    (torch 2.11, the GPU machine's): every record is unpickled."""
+    if reuse is not None:
+        monkeypatch.setattr(torch_records, "_REUSE_LAYOUTS", reuse)
+        monkeypatch.setattr(torch_records, "_layouts", {})
     src = make()
     for _ in range(3):  # the first record is unpickled; equal ones after it use its layout
         blob = _record(src.clone() if src.is_contiguous() and src.storage_offset() == 0 else src)

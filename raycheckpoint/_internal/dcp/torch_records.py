@@ -253,6 +253,9 @@ class _ViewReader(io.RawIOBase):
 # reader (the one its mmap=True path uses) handed the record as one "overall storage"
 _ZERO_COPY_LOAD = (hasattr(torch.serialization, "_open_zipfile_reader")
                    and "overall_storage" in inspect.signature(torch.serialization._load).parameters)
+# a record's size from the zip directory (torch 2.13 has it, 2.11 lacks it): needed to reuse a layout;
+# without it (torch 2.11, the GPU machine's) every record is unpickled
+_REUSE_LAYOUTS = _ZERO_COPY_LOAD and hasattr(torch._C.PyTorchFileReader, "get_record_size")
 
 
 @dataclass(frozen=True)
@@ -286,7 +289,7 @@ def load_record(blob: memoryview) -> Any:
     with torch.serialization._open_zipfile_reader(_ViewReader(blob)) as zip_file:
         native = (zip_file.has_record("byteorder")
                   and zip_file.get_record("byteorder").decode() == sys.byteorder)
-        pkl = zip_file.get_record("data.pkl") if native else None
+        pkl = zip_file.get_record("data.pkl") if native and _REUSE_LAYOUTS else None
         layout = None if pkl is None else _layouts.get(pkl)
         if layout is not None and zip_file.get_record_size("data/0") == layout.nbytes:
             at = zip_file.get_record_offset("data/0")
