@@ -210,7 +210,10 @@ def test_latency_bench_runs_as_a_ray_job(ray_head, tmp_path):
     assert (out / "plot.png").exists()
 
 
+# long: about a minute, and the default suite keeps within its 15 minutes; the RADOS Gateway
+# leg (-m s3) runs it too
 @pytest.mark.s3
+@pytest.mark.long
 def test_a_job_on_s3_reaches_it_only_through_its_storage_options(ray_head, s3_root):
     """Checkpoints, dataset and metrics on S3, the credentials only in
     ``trainer.storage_options`` (none in the job's environment): saves, verifies, resumes."""
