@@ -245,8 +245,8 @@ def test_the_package_declares_ranges_and_setup_pins_the_cpu_build():
     deps = {Requirement(d).name: Requirement(d) for d in project["dependencies"]}
     job = {Requirement(d).name: Requirement(d) for d in project["optional-dependencies"]["job"]}
     torch_req, tf_req = deps["torch"], job["transformers"]
-    # a range holding the GPU machine's torch, this machine's and the newest the torch legs
-    # of .ci/run pass on (scripts/torch_leg.sh), never one exact build
+    # a range holding the GPU machine's torch, this machine's and the newest that
+    # scripts/torch_leg.sh passes on, never one exact build
     assert all(s.operator != "==" for s in torch_req.specifier)
     for version in ("2.11.0", torch.__version__.split("+")[0], "2.15.0"):
         assert version in torch_req.specifier, (version, torch_req)
