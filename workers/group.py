@@ -27,13 +27,13 @@ _GIVEN: set[int] = set()
 _LISTEN_LOW = 20000  # above Ray's worker ports (10002-19999 by default)
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _bindable(port: int) -> bool:
@@ -54,7 +54,7 @@ def free_port(exclude: Collection[int] = ()) -> int:
     range is only ever taken by a server that names it.  Never a port in ``exclude``
     or one this process has already handed out.
     """
-    low, _ = _ephemeral_range()
+    low = _ephemeral_low()
     taken = _GIVEN.union(exclude)
     if low - _LISTEN_LOW >= 1024:
         rng = random.SystemRandom()
