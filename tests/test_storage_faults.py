@@ -129,6 +129,24 @@ def test_an_s3_error_names_the_operation_the_object_and_the_status(proxy, s3_ser
     assert "failed after 2 attempts" in "".join(getattr(throttled.value, "__notes__", []))
 
 
+
+@pytest.mark.s3
+def test_a_store_that_is_down_fails_an_operation_in_seconds_not_minutes(proxy, s3_server,
+                                                                       s3_root):
+    """botocore's own retries, multiplied by s3fs's and ours, made one read of a store that
+    drops every connection take 90 s (100 requests) with ``retries=1``; bounded, it takes
+    15 to 20 s.  Options that name botocore's retries keep them."""
+    uri, _ = s3_root
+    st = Storage(uri, _options(s3_server, proxy.endpoint), retries=1)
+    proxy.set(drop=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="Connection was closed"):  # botocore's own type
+        st.read_bytes("d/any")
+    took = time.monotonic() - t0
+    assert took < 45 and proxy.counts["drop"] <= 60, (took, proxy.counts)
+    own = {"retries": {"mode": "legacy", "max_attempts": 1}}
+    assert Storage(uri, _options(s3_server, proxy.endpoint, config_kwargs=own),
+                   create=False).fs.config_kwargs["retries"] == own["retries"]
 @pytest.mark.s3
 @pytest.mark.parametrize("ignore_range", [False, True])
 def test_a_streamed_read_goes_on_when_a_response_is_cut_short(proxy, s3_server, s3_root,

@@ -82,7 +82,7 @@ class Storage(ExclusiveCreate):
         self.checksum = digest.check_algorithm(checksum)
         self.retried = 0  # transient failures retried so far (for reports and tests)
         self.options = dict(options or {})
-        self.fs, root = fsspec.core.url_to_fs(uri, **self.options)
+        self.fs, root = fsspec.core.url_to_fs(uri, **self._fs_options(self.options))
         self.root = root.rstrip("/") if root != "/" else root
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         if create:
@@ -97,6 +97,10 @@ class Storage(ExclusiveCreate):
     def spec(self) -> StorageSpec:
         return StorageSpec(self.uri, self.options, self.retries, self.cipher, self.checksum,
                            self.direct_io)
+
+    def _fs_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The options the fsspec filesystem is made with (a backend adds its defaults)."""
+        return options
 
     def _create_root(self) -> None:
         """Make the root exist where that means anything (object stores have no directories)."""

@@ -26,6 +26,12 @@ from raycheckpoint.storage.base import Received, Storage
 from raycheckpoint.storage.retry import http_answer, is_precondition_failed
 from raycheckpoint.storage.spec import Capabilities
 
+# botocore's own retries of one request, when the options name none: one retry.  s3fs
+# retries a dropped connection or a SlowDown itself (5 tries, 2 s of pauses in all) and
+# Storage.retrying retries the whole operation; botocore's default (legacy mode, 5 tries,
+# pauses doubling from up to 1 s) multiplied by both made one read of a store that is
+# down take 90 s and 100 requests with storage_retries=1.
+BOTOCORE_RETRIES = {"mode": "standard", "max_attempts": 2}
 _ERRNO = {FileNotFoundError: errno.ENOENT, PermissionError: errno.EACCES}
 PROBE_PREFIX = ".create-probe-"  # the key _prove_atomic_create makes twice, then deletes
 
@@ -34,6 +40,13 @@ class S3Storage(Storage):
     """A root on S3 (or a store speaking its API)."""
 
     caps = Capabilities(atomic_create=True)
+
+    def _fs_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """``options``, with botocore's retries bounded (:data:`BOTOCORE_RETRIES`) unless
+        ``config_kwargs`` names its own."""
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", BOTOCORE_RETRIES)
+        return {**options, "config_kwargs": config}
 
     def _create_once(self, full: str, data: bytes) -> None:
         try:
