@@ -102,7 +102,29 @@ def ray_session(s3_server):
              configure_logging=False, _metrics_export_port=METRICS_PORT[0])
     yield ray
     ray.shutdown()
+    _report_crashed_workers(temp)
     shutil.rmtree(temp, ignore_errors=True)
+
+
+CRASH_WORDS = ("Fatal Python error", "Segmentation fault", "Aborted", "terminate called")
+
+
+def _report_crashed_workers(temp: str) -> None:
+    """Put the end of every worker log that tells of a crash (a segfault, an abort) into
+    the run's report: the logs go with the session's directory, and a test that meets
+    the dead worker says only that it died (its PID ends the log's name)."""
+    from pathlib import Path
+
+    from tests.helpers import REPORTS
+
+    sessions = [d for d in Path(temp).glob("session_*") if not d.is_symlink()]  # not _latest
+    for log in sorted(p for d in sessions for p in d.glob("logs/worker-*.err")):
+        try:
+            text = log.read_text(errors="replace")
+        except OSError:
+            continue
+        if any(word in text for word in CRASH_WORDS):
+            REPORTS.append(f"a Ray worker crashed ({log.name}):\n{text[-3000:]}")
 
 
 @pytest.fixture(scope="session")
