@@ -106,11 +106,13 @@ def ray_session(s3_server):
     shutil.rmtree(temp, ignore_errors=True)
 
 
-CRASH_WORDS = ("Fatal Python error", "Segmentation fault", "Aborted", "terminate called")
+# a segfault or an abort, and raycheckpoint/_internal/exit.py's watchdog ending a worker
+CRASH_WORDS = ("Fatal Python error", "Segmentation fault", "Aborted", "terminate called",
+               "is gone; exiting")
 
 
 def _report_crashed_workers(temp: str) -> None:
-    """Put the end of every worker log that tells of a crash (a segfault, an abort) into
+    """Put the end of every worker log that tells of a crash or an exit of its own into
     the run's report: the logs go with the session's directory, and a test that meets
     the dead worker says only that it died (its PID ends the log's name)."""
     from pathlib import Path
@@ -124,7 +126,7 @@ def _report_crashed_workers(temp: str) -> None:
         except OSError:
             continue
         if any(word in text for word in CRASH_WORDS):
-            REPORTS.append(f"a Ray worker crashed ({log.name}):\n{text[-3000:]}")
+            REPORTS.append(f"a Ray worker ended on its own ({log.name}):\n{text[-3000:]}")
 
 
 @pytest.fixture(scope="session")
