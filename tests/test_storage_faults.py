@@ -131,6 +131,7 @@ def test_an_s3_error_names_the_operation_the_object_and_the_status(proxy, s3_ser
 
 
 @pytest.mark.s3
+@pytest.mark.long  # 20 s of waiting out retries; the RADOS Gateway leg (-m s3) runs it too
 def test_a_store_that_is_down_fails_an_operation_in_seconds_not_minutes(proxy, s3_server,
                                                                        s3_root):
     """botocore's own retries, multiplied by s3fs's and ours, made one read of a store that
