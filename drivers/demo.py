@@ -7,6 +7,10 @@
 2. the same job in another root, SIGKILLed after step ``--crash-at``, as an OOM or a
    preemption would;
 3. the same command again: it resumes from the newest checkpoint that verifies.
+A kill right after a step that starts a full save may land before that save commits (as a
+real crash may): the resume then takes the full checkpoint before it, or starts afresh
+when none had committed.  A kill one step later cannot: a save starts only once the one
+before it has finished.
 It prints the reward curve, the training time blocked per save, and whether the resumed
 run's metrics and final weights are bitwise those of the straight run (exit 1 if not).
 """
