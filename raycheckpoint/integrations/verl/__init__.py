@@ -1,0 +1,1 @@
+"""raycheckpoint for verl jobs: reading the checkpoints verl's own manager wrote."""
