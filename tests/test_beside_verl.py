@@ -63,3 +63,24 @@ def test_the_library_saves_and_loads_beside_verl(verl_python, tmp_path):
     report = json.loads(out.strip().splitlines()[-1])
     assert report["verl"] == VERL and report["raycheckpoint"].startswith(str(ROOT)), report
     assert report["loaded_step"] == 1 and report["bitwise"], report
+
+
+def test_verls_own_checkpoint_test_passes_with_raycheckpoint_switched_in(verl_python, tmp_path):
+    """verl's ``test_fsdp_ckpt.py`` (ported to CPU and gloo: tests/verl_fsdp_ckpt_port.py)
+    under FSDP2 and FSDP1, with verl's ``FSDPCheckpointManager`` replaced by the one
+    environment variable the README documents: state and logits equal after a resume."""
+    ray_temp = tempfile.mkdtemp(prefix="rcverl-", dir="/tmp")
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "VERL_USE_EXTERNAL_MODULES": "raycheckpoint.integrations.verl.patch"}
+    try:
+        done = subprocess.run([str(verl_python), str(ROOT / "tests" / "verl_fsdp_ckpt_port.py"),
+                               str(tmp_path), ray_temp], capture_output=True, text=True,
+                              timeout=400, env=env)
+    finally:
+        shutil.rmtree(ray_temp, ignore_errors=True)
+    lines = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert [d["strategy"] for d in lines] == ["fsdp2", "fsdp"], done.stdout[-3000:] + done.stderr[-6000:]
+    for doc in lines:
+        assert doc["passed"], doc
+        assert doc["manager"] == "raycheckpoint.integrations.verl.manager", doc
+    assert done.returncode == 0

@@ -1,0 +1,197 @@
+"""One role's raycheckpoint root as the verl manager's ranks see it (:mod:`.manager`):
+leased by rank 0 with its coordinator; the save's ``begin`` and commit, the load's plan
+and its last checks; and ``raycheckpoint.json``, which names in verl's ``local_path``
+the checkpoint saved for it.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import time
+from typing import Any
+
+from raycheckpoint._internal.rpc import get
+from raycheckpoint.config import CheckpointConfig
+from raycheckpoint.errors import CheckpointNotFoundError, IntegrityError, LightCheckpointError
+from raycheckpoint.integrity.crypto import FileCipher, check_key, load_key
+from raycheckpoint.integrity.verify import verify_files
+from raycheckpoint.policy.retention import RetentionPolicy
+from raycheckpoint.protocol import coordinator_actor
+from raycheckpoint.protocol.candidates import Tier, first_that_opens, resume_candidates
+from raycheckpoint.protocol.checkpoint import open_verified
+from raycheckpoint.protocol.paths import rng_file
+from raycheckpoint.roots import open_roots
+from raycheckpoint.state import capture_rng
+from raycheckpoint.storage import FileEntry
+
+POINTER = "raycheckpoint.json"  # written into verl's local_path: which checkpoint it is
+
+
+def write_pointer(local_path: str, root: RoleRoot, name: str, step: int, seconds: float) -> None:
+    """``local_path/raycheckpoint.json``: where verl's directory for the role has its state."""
+    import fsspec
+
+    options = root.config.storage_options if "://" in local_path else {}
+    fs, path = fsspec.core.url_to_fs(local_path, **options)
+    fs.makedirs(path, exist_ok=True)
+    doc = {"root": root.url, "checkpoint": name, "step": step, "save_s": round(seconds, 3),
+           "note": "written by raycheckpoint; the checkpoint itself is in the root"}
+    fs.pipe_file(posixpath.join(path, POINTER), (json.dumps(doc, indent=1) + "\n").encode())
+
+
+def pointed_step(local_path: str, root: RoleRoot) -> int:
+    """The step ``local_path/raycheckpoint.json`` names, for a path with no
+    ``global_step_<N>``; it must name this role's root (it only picks a step there)."""
+    import fsspec
+
+    options = root.config.storage_options if "://" in local_path else {}
+    fs, path = fsspec.core.url_to_fs(local_path, **options)
+    pointer = posixpath.join(path, POINTER)
+    try:
+        doc = json.loads(fs.cat_file(pointer))
+        named, step = doc["root"], int(doc["step"])
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{local_path}: neither global_step_<N> in the path nor a {POINTER} in it "
+            "(nothing was saved there by this manager)", ref=local_path) from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise IntegrityError(f"{local_path}/{POINTER}: unreadable ({type(e).__name__}: {e})",
+                             path=pointer) from None
+    if named != root.url:
+        raise IntegrityError(f"{local_path}/{POINTER} names root {named!r}, but this role's "
+                             f"root is {root.url!r}", path=pointer)
+    return step
+
+
+class RoleRoot:
+    """One role's raycheckpoint root as this process sees it: on rank 0 leased, with its
+    coordinator; elsewhere the coordinator's handle and where to write."""
+
+    def __init__(self, url: str, role: str, coordinator: Any, write: Any,
+                 config: CheckpointConfig) -> None:
+        self.url, self.role = url, role
+        self.coordinator, self.write, self.config = coordinator, write, config
+        self.roots: Any = None
+        self.cipher: Any = None
+        self.world_size = 0
+
+    def __reduce__(self) -> Any:  # what rank 0 hands the other ranks
+        return (RoleRoot, (self.url, self.role, self.coordinator, self.write, self.config))
+
+    @classmethod
+    def open(cls, url: str, options: dict[str, Any], keep: int | None, role: str,
+             world_size: int) -> RoleRoot:
+        settings = {k: v for k, v in options.items() if k.removeprefix("checkpoint.") != "save_dir"}
+        config = CheckpointConfig.from_dict({**settings, "save_dir": url,
+                                             "keep_last_n": keep_last_n(keep)})
+        cipher = (FileCipher(load_key(config.encryption_key))
+                  if config.encryption_key is not None else None)
+        roots = open_roots(config, cipher)
+        try:
+            coordinator = coordinator_actor.start(roots.commit, config, roots.lease_id("durable"))
+            get(coordinator.register_workers.remote([], None), config.rpc_timeout_s)
+        except BaseException:
+            roots.release()
+            raise
+        root = cls(url, role, coordinator, roots.write, config)
+        root.roots, root.cipher, root.world_size = roots, cipher, world_size
+        return root
+
+    def begin(self, step: int, kind: str) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "epoch": None, "config_fingerprint": {}, "world_sizes": {self.role: self.world_size},
+            "saved_at": time.time(),
+            "retention": RetentionPolicy.from_config(self.config).retention_rules(),
+            "triggers": {}}
+        if kind == "full":
+            state["rng"] = capture_rng()  # rank 0's; every rank's own goes with its shard
+        rpc = self.config.rpc_timeout_s
+        return get(self.coordinator.begin.remote(
+            step=step, kind=kind, tag=None, metrics={}, trainer_state=state,
+            expected=[(self.role, r) for r in range(self.world_size)],
+            world_sizes={self.role: self.world_size}), self.config.save_wait_timeout_s + rpc)
+
+    def await_commit(self, save_id: str) -> dict[str, Any]:
+        return get(self.coordinator.await_save.remote(save_id),
+                   self.config.commit_timeout_s + self.config.rpc_timeout_s)
+
+    def plan_load(self, local_path: str, step: int | None, world_size: int, *,
+                  weights_only: bool) -> dict[str, Any]:
+        """Rank 0: the committed checkpoint of ``step`` (the newest that opens verified,
+        where the root holds several), checked, and every rank's ``ckpt_load`` request;
+        the files no rank will read (assets, RNG files of ranks that no longer exist) are
+        verified first."""
+        storage = self.roots.commit.open()
+        if step is None:
+            step = pointed_step(local_path, self)
+
+        def attempt(name: str, tier: Tier) -> dict[str, Any]:
+            ck = open_verified(storage, name)
+            check_key(ck.manifest.encryption, self.cipher, name)
+            if ck.kind == "light" and not weights_only:
+                raise LightCheckpointError(
+                    f"{name} is a light checkpoint (model weights only): load_contents must "
+                    "be ['model'] to load it", name=name)
+            layout = ck.manifest.roles.get(self.role)
+            if layout is None:
+                raise IntegrityError(f"{name} holds no state for role {self.role!r} (it has "
+                                     f"{sorted(ck.manifest.roles)})", path=name)
+            prefix = layout.dcp_dir + "/"
+            files = {p: e.to_dict() for p, e in ck.manifest.files.items() if p.startswith(prefix)}
+            requests = []
+            for rank in range(world_size):
+                suffix = "/" + rng_file(self.role, rank if rank < layout.world_size else 0)
+                rng = None if weights_only else next(
+                    (f for f in layout.files if f.endswith(suffix)), None)
+                own = files if rng is None else {**files, rng: ck.manifest.files[rng].to_dict()}
+                requests.append({
+                    "dcp_dir": layout.dcp_dir, "files": own,
+                    "checksums": self.config.enable_checksum,
+                    "kind": "light" if weights_only else "full",
+                    "saved_world_size": layout.world_size, "rng_file": rng, "partial": False,
+                    "wait_timeout_s": self.config.save_wait_timeout_s})
+            handed = {p for r in requests for p in r["files"]}
+            verify_files(storage, {p: e for p, e in ck.manifest.files.items() if p not in handed})
+            return {"name": ck.name, "step": ck.step, "requests": requests,
+                    "files": {p: e.to_dict() for p, e in ck.manifest.files.items() if p in handed},
+                    "saved_world_size": layout.world_size}
+
+        try:
+            plan = first_that_opens(resume_candidates([Tier(storage)], step), attempt)
+        except CheckpointNotFoundError as e:
+            raise CheckpointNotFoundError(
+                f"{local_path}: {self.url} holds no committed checkpoint of step {step} for "
+                f"role {self.role!r} ({e})", ref=str(step)) from None
+        return plan
+
+    def finish_load(self, plan: dict[str, Any], answers: list[dict[str, Any]]) -> None:
+        """Rank 0, once every rank loaded: verify what a rank was handed but did not read,
+        and tell the coordinator the job holds this checkpoint's state (a save of the
+        same step, nothing trained since, then reuses it)."""
+        read = {p for a in answers for p in a["verified"]}
+        unread = {p: FileEntry.from_dict(e) for p, e in plan["files"].items() if p not in read}
+        verify_files(self.roots.commit.open(), unread)
+        full = all(r["kind"] == "full" for r in plan["requests"])
+        get(self.coordinator.loaded.remote(plan["name"] if full else None, []),
+            self.config.rpc_timeout_s)
+
+    def close(self) -> None:
+        if self.roots is None:
+            return
+        import ray
+
+        try:
+            get(self.coordinator.wait_cleanup.remote(self.config.save_wait_timeout_s),
+                self.config.save_wait_timeout_s + self.config.rpc_timeout_s)
+        finally:
+            ray.kill(self.coordinator)
+            self.roots.release()
+            self.roots = None
+
+
+def keep_last_n(max_ckpt_to_keep: int | None) -> int | None:
+    """verl's ``max_ckpt_to_keep`` as ``keep_last_n``: None or 0 keeps all; else one more."""
+    if not max_ckpt_to_keep or max_ckpt_to_keep <= 0:
+        return None
+    return int(max_ckpt_to_keep) + 1
