@@ -17,7 +17,9 @@ from raycheckpoint.integrations.verl.checkpoint_files import VerlCheckpointError
 from workers.group import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.timeout(300)
+# 48 s of spawned gloo ranks: with the long tests (the default suite keeps within its 15
+# minutes on a 2-core machine; .ci/run runs both)
+pytestmark = [pytest.mark.long, pytest.mark.timeout(300)]
 
 
 def write_role(out: Path, world: int, mesh: str | None = None) -> dict:

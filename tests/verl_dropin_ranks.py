@@ -85,5 +85,11 @@ class DropinRank:
         return {"model": model, "optim": optim, "sched": self.sched.state_dict(),
                 "rng": torch.get_rng_state(), "weights": h.hexdigest()}
 
+    def arm(self, point: str, action: str) -> None:
+        """Arm a fault point in this rank's process."""
+        from raycheckpoint.testing import arm
+
+        arm(point, action)
+
     def close(self) -> None:
         self.manager.close()

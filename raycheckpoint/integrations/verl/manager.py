@@ -56,7 +56,7 @@ import torch.distributed as dist
 from raycheckpoint.integrations.verl._ranks import Collectives, RankState
 from raycheckpoint.integrations.verl._root import RoleRoot, keep_last_n, write_pointer
 
-__all__ = ["OPTIONS_ENV", "FSDPCheckpointManager"]
+__all__ = ["OPTIONS_ENV", "FSDPCheckpointManager", "read_options", "role_root", "where"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,33 @@ def _absolute(path: str) -> str:
     return path if "://" in path else os.path.abspath(path)
 
 
+def role_root(base: str, role: str, options: dict[str, Any]) -> str:
+    """The raycheckpoint root of ``role`` for verl's checkpoint directory ``base``
+    (``trainer.default_local_dir``): ``<base>/raycheckpoint/<role>``, or
+    ``<save_dir>/<role>`` where the options name a ``save_dir``."""
+    save_dir = options.get("save_dir") or options.get("checkpoint.save_dir")
+    top = _absolute(save_dir) if save_dir else posixpath.join(_absolute(base), "raycheckpoint")
+    return posixpath.join(top.rstrip("/"), role)
+
+
+def read_options(options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """raycheckpoint's options for verl's jobs: ``RAYCHECKPOINT_VERL_OPTIONS`` (JSON), then
+    ``options``, which win."""
+    out: dict[str, Any] = {}
+    env = os.environ.get(OPTIONS_ENV)
+    if env:
+        try:
+            out.update(json.loads(env))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{OPTIONS_ENV} is not a JSON object: {e}") from None
+    out.update(options or {})
+    bad = sorted(k for k in out if k.removeprefix("checkpoint.") in NOT_HERE)
+    if bad:
+        raise ValueError(f"{bad}: the verl manager does not run raycheckpoint's tiers yet; "
+                         "give save_dir the root (a directory or s3://)")
+    return out
+
+
 class FSDPCheckpointManager:
     """verl's ``FSDPCheckpointManager``, with raycheckpoint's saves and loads (see the
     module doc).  Every rank of the role constructs it and calls it, as verl does; the
@@ -129,7 +156,7 @@ class FSDPCheckpointManager:
                              "ROOT CHECKPOINT OUT` writes the from_pretrained directory")
         if _flag(checkpoint_config, "save_lora_only"):
             raise ValueError("save_lora_only is not supported by raycheckpoint's verl manager yet")
-        self.options = self._options(options)
+        self.options = read_options(options)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         rpc = float(self.options.get("rpc_timeout_s", 600.0))
         self._ranks = Collectives(rpc)
@@ -140,22 +167,6 @@ class FSDPCheckpointManager:
         self._roots: dict[str, RoleRoot] = {}  # root URL -> this process's view of it
         self.previous_global_step: int | None = None
         self.previous_saved_paths: list[str] = []
-
-    @staticmethod
-    def _options(options: dict[str, Any] | None) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        env = os.environ.get(OPTIONS_ENV)
-        if env:
-            try:
-                out.update(json.loads(env))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{OPTIONS_ENV} is not a JSON object: {e}") from None
-        out.update(options or {})
-        bad = sorted(k for k in out if k.removeprefix("checkpoint.") in NOT_HERE)
-        if bad:
-            raise ValueError(f"{bad}: the verl manager does not run raycheckpoint's tiers yet; "
-                             "give save_dir the root (a directory or s3://)")
-        return out
 
     # ---- verl's properties ------------------------------------------------------------------
 
@@ -174,9 +185,7 @@ class FSDPCheckpointManager:
     def root_url(self, local_path: str) -> str:
         """The raycheckpoint root of ``local_path``'s role."""
         base, role, _ = where(local_path)
-        save_dir = self.options.get("save_dir") or self.options.get("checkpoint.save_dir")
-        top = _absolute(save_dir) if save_dir else posixpath.join(_absolute(base), "raycheckpoint")
-        return posixpath.join(top.rstrip("/"), role)
+        return role_root(base, role, self.options)
 
     def _root(self, local_path: str, keep: int | None = None, *, saving: bool = False) -> RoleRoot:
         """The role's root, opened on first use: rank 0 leases it and starts its

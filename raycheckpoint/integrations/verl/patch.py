@@ -1,4 +1,5 @@
-"""Switch verl to raycheckpoint's checkpoint manager: importing this module does it.
+"""Switch verl to raycheckpoint's checkpoint manager (and its trainers to raycheckpoint's
+resume, :mod:`.trainer`): importing this module does it.
 
 verl 0.9 builds its FSDP checkpoint manager inside each worker's engine, from a name
 bound at import (``verl/workers/engine/fsdp/transformer_impl.py``), so the switch must
@@ -18,6 +19,11 @@ On a cluster the job joins, the same variable goes into the job's runtime enviro
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 from raycheckpoint.integrations.verl.manager import FSDPCheckpointManager
 
@@ -48,4 +54,58 @@ def install() -> list[str]:
     return patched
 
 
+def _trainer(cls_name: str) -> Callable[[ModuleType], None]:
+    def patch(module: ModuleType) -> None:
+        from raycheckpoint.integrations.verl.trainer import load_checkpoint
+
+        getattr(module, cls_name)._load_checkpoint = load_checkpoint
+
+    return patch
+
+
+# verl's trainers, patched when (and if) a process imports them: their resume
+# (raycheckpoint.integrations.verl.trainer); importing them here would load verl's whole
+# trainer stack into every worker
+TRAINERS: dict[str, Callable[[ModuleType], None]] = {
+    "verl.trainer.ppo.v1.trainer_base": _trainer("PPOTrainer"),
+    "verl.trainer.ppo.ray_trainer": _trainer("RayPPOTrainer"),
+}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs ``TRAINERS[name](module)`` right after module ``name`` is executed."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        patch = TRAINERS.get(fullname)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        execute = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            execute(module)
+            patch(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def install_trainers() -> None:
+    """Patch the trainers already imported; patch the others when they are."""
+    for name, patch in TRAINERS.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
 PATCHED = install()
+install_trainers()

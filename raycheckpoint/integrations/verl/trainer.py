@@ -1,0 +1,160 @@
+"""The trainer side of the verl integration: a resume that takes the newest step that
+loads, verified, and never runs code from a checkpoint.
+
+verl 0.9's trainers (``PPOTrainer`` of ``verl.trainer.ppo.v1.trainer_base``, the legacy
+``RayPPOTrainer``) resume in ``_load_checkpoint`` from the step that
+``latest_checkpointed_iteration.txt`` names (a file written in place), and read the
+data loader's ``data.pt`` with ``torch.load(weights_only=False)``, which runs whatever
+the file asks.  :func:`load_checkpoint` replaces that method
+(:mod:`~raycheckpoint.integrations.verl.patch` installs it):
+
+* ``resume_mode=auto``: the steps whose every role (``actor``, and ``critic`` where the
+  job has one) has a committed full checkpoint in its raycheckpoint root and whose
+  ``global_step_<N>/data.pt`` exists, newest first; a step whose load fails
+  verification is passed over with a warning and the next one is tried.  The tracker
+  is not read.  A directory that holds only checkpoints of verl's own manager is
+  refused, not silently trained over from scratch;
+* ``resume_mode=resume_path``: that step; its errors are raised;
+* ``disable``: nothing, as in verl.
+
+``data.pt`` is read with ``torch.load(weights_only=True)``; a file that needs code is
+refused, naming it.  The rest is verl's: ``global_steps``, the legacy trainer's
+data-loader skip at an epoch boundary, v1's TransferQueue restore in its async modes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from raycheckpoint._internal.rpc import unwrap
+from raycheckpoint.errors import IntegrityError
+from raycheckpoint.integrations.verl.manager import read_options, role_root
+from raycheckpoint.protocol import catalog
+from raycheckpoint.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def committed_steps(base: str, roles: list[str], options: dict[str, Any], *,
+                    data_loader: bool = True) -> list[int]:
+    """Steps with a committed full checkpoint of every role (and a ``data.pt`` where
+    ``data_loader``), newest first."""
+    steps: set[int] | None = None
+    for role in roles:
+        url = role_root(base, role, options)
+        storage = Storage(url, dict(options.get("storage_options") or {}), create=False)
+        try:
+            markers, _ = catalog.scan(storage)
+        except FileNotFoundError:
+            markers = []
+        full = {m.step for m in markers if m.kind == "full"}
+        steps = full if steps is None else steps & full
+    found = sorted(steps or (), reverse=True)
+    if data_loader:
+        found = [s for s in found if os.path.exists(step_folder(base, s, "data.pt"))]
+    return found
+
+
+def step_folder(base: str, step: int, *rest: str) -> str:
+    return os.path.join(base, f"global_step_{step}", *rest)
+
+
+def _roles(trainer: Any) -> list[str]:
+    return ["actor", "critic"] if getattr(trainer, "use_critic", False) else ["actor"]
+
+
+def _absolute(path: str) -> str:
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
+def load_checkpoint(self: Any) -> int:
+    """verl's ``_load_checkpoint``, resuming from the newest step that loads (see the
+    module doc).  Returns ``global_steps`` (0: a fresh start)."""
+    cfg = self.config.trainer
+    self.global_steps = 0
+    mode = cfg.resume_mode
+    if mode == "disable":
+        return 0
+    if cfg.get("default_hdfs_dir") is not None and type(self).__name__ != "PPOTrainer":
+        raise NotImplementedError("load from hdfs is not implemented yet")  # as verl's legacy trainer
+    base = _absolute(cfg.default_local_dir)
+    options = read_options()
+    roles = _roles(self)
+    if mode == "resume_path":
+        path = cfg.resume_from_path
+        if not isinstance(path, str) or "global_step_" not in path:
+            raise ValueError(f"trainer.resume_from_path must name a global_step_<N> folder, got {path!r}")
+        folder = _absolute(path)
+        step = int(folder.rstrip("/").split("global_step_")[-1])
+        base = os.path.dirname(folder.rstrip("/"))
+        _load_step(self, base, step, roles)
+        return step
+    if mode != "auto":
+        raise ValueError(f"unknown trainer.resume_mode {mode!r} (auto, resume_path or disable)")
+    candidates = committed_steps(base, roles, options, data_loader=hasattr(self, "train_dataloader"))
+    for step in candidates:
+        try:
+            _load_step(self, base, step, roles)
+            return step
+        except Exception as e:  # only damage moves on to the next step; the rest is raised
+            cause = unwrap(e)
+            if not isinstance(cause, IntegrityError):
+                raise
+            logger.warning("resume: passed over global_step_%d: %s", step, cause)
+            print(f"resume: passed over global_step_{step}: {cause}", flush=True)
+    if os.path.exists(os.path.join(base, TRACKER)) and not candidates:
+        raise FileNotFoundError(
+            f"{base}/{TRACKER} names a checkpoint, but no raycheckpoint root under {base} "
+            f"holds one ({', '.join(role_root(base, r, options) for r in roles)}): those "
+            "checkpoints were written by verl's own manager, which raycheckpoint does not "
+            "read; set trainer.resume_mode=disable to start afresh")
+    if candidates:
+        raise IntegrityError(f"no checkpoint under {base} loads: every one of steps "
+                             f"{candidates} failed verification (see the warnings)", path=base)
+    print("Training from scratch", flush=True)
+    self.global_steps = 0
+    return 0
+
+
+def _load_step(self: Any, base: str, step: int, roles: list[str]) -> None:
+    """Load every role's checkpoint of ``step``, then the data loader (and v1's
+    TransferQueue), as verl's ``_load_checkpoint`` does."""
+    import torch
+
+    folder = step_folder(base, step)
+    print(f"Resuming from {folder}", flush=True)
+    drop = self.config.trainer.get("del_local_ckpt_after_load", False)
+    self.actor_rollout_wg.load_checkpoint(local_path=os.path.join(folder, "actor"),
+                                          del_local_after_load=drop)
+    if "critic" in roles:
+        self.critic_wg.load_checkpoint(local_path=os.path.join(folder, "critic"),
+                                       del_local_after_load=drop)
+    self.global_steps = step
+    data = os.path.join(folder, "data.pt")
+    loader = getattr(self, "train_dataloader", None)
+    if loader is not None and os.path.exists(data):
+        per_epoch = len(loader) if type(self).__name__ == "RayPPOTrainer" else 0
+        if per_epoch > 0 and step % per_epoch == 0:  # the legacy trainer's rule, kept
+            print(f"Skipping dataloader state restore: global_steps={step} is at an epoch "
+                  f"boundary (steps_per_epoch={per_epoch})", flush=True)
+        else:
+            try:
+                state = torch.load(data, weights_only=True)
+            except Exception as e:  # noqa: BLE001 - a pickle asking for code, or damage
+                raise IntegrityError(f"{data}: not loadable without running code or damaged "
+                                     f"({type(e).__name__}: {str(e)[:300]})", path=data) from None
+            loader.load_state_dict(state)
+    elif loader is not None:
+        logger.warning("no dataloader state at %s, will start from scratch", data)
+    if getattr(self, "trainer_mode", "sync") != "sync":
+        tq_path = os.path.join(folder, "transfer_queue")
+        if os.path.exists(tq_path):
+            import transfer_queue as tq
+            from verl.trainer.ppo.v1.trainer_base import _count_tq_prompt_groups
+
+            tq.load_checkpoint(tq_path)
+            self._restored_tq_prompt_count = _count_tq_prompt_groups()
