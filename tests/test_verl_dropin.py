@@ -131,3 +131,32 @@ def test_save_contents_model_only_is_a_light_checkpoint(ray_session, tmp_path):
         end(a)
     [ck] = list_root(Storage(str(base / "raycheckpoint" / "actor")))["checkpoints"]
     assert ck["kind"] == "light"
+
+
+@pytest.mark.s3
+def test_a_role_saved_to_s3_through_the_options_resumes_bit_for_bit(ray_session, tmp_path, s3_root):
+    """``save_dir`` and ``storage_options`` (RAYCHECKPOINT_VERL_OPTIONS' names): the role's
+    root is ``<save_dir>/actor`` on the S3 server; verl's local_path gets only the pointer."""
+    from raycheckpoint.admin import verify
+
+    uri, storage_options = s3_root
+    options = {"save_dir": uri, "storage_options": storage_options}
+    base = tmp_path / "ckpts"
+    a = group(2, options=options)
+    try:
+        call(a, "train", 2)
+        call(a, "save", path(base, 2), 2)
+        saved = call(a, "state")
+    finally:
+        end(a)
+    assert verify(f"{uri}/actor", storage_options)["ok"]
+    assert os.listdir(base / "global_step_2" / "actor") == ["raycheckpoint.json"]
+    b = group(2, options=options)
+    try:
+        call(b, "load", path(base, 2))
+        loaded = call(b, "state")
+    finally:
+        end(b)
+    for r in range(2):
+        assert_same(loaded[r]["model"], saved[r]["model"])
+        assert_same(loaded[r]["optim"], saved[r]["optim"])

@@ -176,18 +176,22 @@ class RoleRoot:
         get(self.coordinator.loaded.remote(plan["name"] if full else None, []),
             self.config.rpc_timeout_s)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Rank 0: wait (up to ``timeout``; default ``save_wait_timeout_s``) for the
+        clean-up after the last commit, stop the coordinator, release the lease."""
         if self.roots is None:
             return
         import ray
 
+        wait_s = self.config.save_wait_timeout_s if timeout is None else timeout
+        roots, self.roots = self.roots, None
         try:
-            get(self.coordinator.wait_cleanup.remote(self.config.save_wait_timeout_s),
-                self.config.save_wait_timeout_s + self.config.rpc_timeout_s)
+            get(self.coordinator.wait_cleanup.remote(wait_s), wait_s + min(wait_s, 30.0))
         finally:
-            ray.kill(self.coordinator)
-            self.roots.release()
-            self.roots = None
+            try:
+                ray.kill(self.coordinator)
+            finally:
+                roots.release()
 
 
 def keep_last_n(max_ckpt_to_keep: int | None) -> int | None:

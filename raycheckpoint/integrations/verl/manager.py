@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raycheckpoint._internal import exit as process_exit
 from raycheckpoint.integrations.verl._ranks import Collectives, RankState
 from raycheckpoint.integrations.verl._root import RoleRoot, keep_last_n, write_pointer
 
@@ -213,6 +214,8 @@ class FSDPCheckpointManager:
         except BaseException as e:  # noqa: BLE001 - every rank raises it below
             error = e
         self._ranks.outcomes(error)
+        if not self._roots and self.rank == 0:  # the first root this rank 0 leases
+            process_exit.on_exit(self._close_at_exit)
         self._roots[url] = root
         return root
 
@@ -288,9 +291,17 @@ class FSDPCheckpointManager:
         for skipped in answer["skipped"]:
             logger.warning("load %s: skipped %s", plan["name"], skipped)
 
-    def close(self) -> None:
-        """Release the roots this process leased and stop their coordinators (rank 0); the
-        leases of a process that ends without it go stale after ``lease_ttl_s``."""
-        for root in self._roots.values():
-            root.close()
-        self._roots.clear()
+    def close(self, timeout: float | None = None) -> None:
+        """Release the roots this process leased and stop their coordinators (rank 0).
+        verl never calls it: a worker process that ends normally does it on its way out
+        (for a few seconds at most); one that is killed leaves its leases to go stale
+        after ``lease_ttl_s``, when the next job takes them over."""
+        roots, self._roots = list(self._roots.values()), {}
+        for root in roots:
+            root.close(timeout)
+
+    def _close_at_exit(self, timeout: float) -> None:
+        try:
+            self.close(timeout)
+        except Exception as e:  # noqa: BLE001 - the process is ending: say why, go on
+            logger.warning("raycheckpoint: closing the verl manager's roots at exit: %s", e)
