@@ -54,11 +54,11 @@ def install() -> list[str]:
     return patched
 
 
-def _trainer(cls_name: str) -> Callable[[ModuleType], None]:
+def _trainer(cls_name: str, function: str) -> Callable[[ModuleType], None]:
     def patch(module: ModuleType) -> None:
-        from raycheckpoint.integrations.verl.trainer import load_checkpoint
+        from raycheckpoint.integrations.verl import trainer
 
-        getattr(module, cls_name)._load_checkpoint = load_checkpoint
+        getattr(module, cls_name)._load_checkpoint = getattr(trainer, function)
 
     return patch
 
@@ -67,8 +67,8 @@ def _trainer(cls_name: str) -> Callable[[ModuleType], None]:
 # (raycheckpoint.integrations.verl.trainer); importing them here would load verl's whole
 # trainer stack into every worker
 TRAINERS: dict[str, Callable[[ModuleType], None]] = {
-    "verl.trainer.ppo.v1.trainer_base": _trainer("PPOTrainer"),
-    "verl.trainer.ppo.ray_trainer": _trainer("RayPPOTrainer"),
+    "verl.trainer.ppo.v1.trainer_base": _trainer("PPOTrainer", "load_checkpoint"),
+    "verl.trainer.ppo.ray_trainer": _trainer("RayPPOTrainer", "load_checkpoint_legacy"),
 }
 
 

@@ -72,14 +72,25 @@ def _absolute(path: str) -> str:
 
 
 def load_checkpoint(self: Any) -> int:
-    """verl's ``_load_checkpoint``, resuming from the newest step that loads (see the
-    module doc).  Returns ``global_steps`` (0: a fresh start)."""
+    """v1 ``PPOTrainer._load_checkpoint``, resuming from the newest step that loads (see
+    the module doc).  Returns ``global_steps`` (0: a fresh start)."""
+    return _load(self, legacy=False)
+
+
+def load_checkpoint_legacy(self: Any) -> int:
+    """The legacy ``RayPPOTrainer._load_checkpoint``: as :func:`load_checkpoint`, with
+    that trainer's own rules (no ``default_hdfs_dir``; the data loader is not restored at
+    an epoch boundary)."""
+    return _load(self, legacy=True)
+
+
+def _load(self: Any, *, legacy: bool) -> int:
     cfg = self.config.trainer
     self.global_steps = 0
     mode = cfg.resume_mode
     if mode == "disable":
         return 0
-    if cfg.get("default_hdfs_dir") is not None and type(self).__name__ != "PPOTrainer":
+    if legacy and cfg.get("default_hdfs_dir") is not None:
         raise NotImplementedError("load from hdfs is not implemented yet")  # as verl's legacy trainer
     base = _absolute(cfg.default_local_dir)
     options = read_options()
@@ -91,14 +102,14 @@ def load_checkpoint(self: Any) -> int:
         folder = _absolute(path)
         step = int(folder.rstrip("/").split("global_step_")[-1])
         base = os.path.dirname(folder.rstrip("/"))
-        _load_step(self, base, step, roles)
+        _load_step(self, base, step, roles, legacy)
         return step
     if mode != "auto":
         raise ValueError(f"unknown trainer.resume_mode {mode!r} (auto, resume_path or disable)")
     candidates = committed_steps(base, roles, options, data_loader=hasattr(self, "train_dataloader"))
     for step in candidates:
         try:
-            _load_step(self, base, step, roles)
+            _load_step(self, base, step, roles, legacy)
             return step
         except Exception as e:  # only damage moves on to the next step; the rest is raised
             cause = unwrap(e)
@@ -120,7 +131,7 @@ def load_checkpoint(self: Any) -> int:
     return 0
 
 
-def _load_step(self: Any, base: str, step: int, roles: list[str]) -> None:
+def _load_step(self: Any, base: str, step: int, roles: list[str], legacy: bool) -> None:
     """Load every role's checkpoint of ``step``, then the data loader (and v1's
     TransferQueue), as verl's ``_load_checkpoint`` does."""
     import torch
@@ -137,7 +148,7 @@ def _load_step(self: Any, base: str, step: int, roles: list[str]) -> None:
     data = os.path.join(folder, "data.pt")
     loader = getattr(self, "train_dataloader", None)
     if loader is not None and os.path.exists(data):
-        per_epoch = len(loader) if type(self).__name__ == "RayPPOTrainer" else 0
+        per_epoch = len(loader) if legacy else 0
         if per_epoch > 0 and step % per_epoch == 0:  # the legacy trainer's rule, kept
             print(f"Skipping dataloader state restore: global_steps={step} is at an epoch "
                   f"boundary (steps_per_epoch={per_epoch})", flush=True)
