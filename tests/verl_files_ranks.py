@@ -64,6 +64,12 @@ def run(rank: int, world: int, out: str, port: int, mesh_shape: tuple[int, ...])
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # end here, not in the interpreter's teardown: a gloo thread still being torn down
+    # there now and then aborts the process ("terminate called without an active
+    # exception"), and the files are written and closed already
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
