@@ -99,36 +99,43 @@ def _standin(verl_python, root, steps: int, *extra: str) -> subprocess.Completed
 
 
 def test_verls_trainer_resumes_from_the_newest_step_that_loads(verl_python, tmp_path):
-    """verl's own ``PPOTrainer._save_checkpoint`` (v1) and its ``_load_checkpoint`` as the
-    switch replaces it, on a stand-in trainer (tests/verl_trainer_standin.py): a job killed
-    while step 6's save persists, step 4's shard then damaged, and the same command
-    again resumes from step 2 and trains steps 3-8 exactly as a straight run did."""
+    """verl's own ``_save_checkpoint`` and its ``_load_checkpoint`` as the switch replaces
+    it, on a stand-in trainer (tests/verl_trainer_standin.py).  With verl's ``async_save``
+    (saves return after the host copy; verl writes no tracker) a job is killed while step
+    6's save persists, and step 4's shard is then damaged; the same command resumes from
+    step 2 and trains steps 3-8 exactly as a straight (synchronous) run did, its last
+    step's save committed before it ends; the legacy ``RayPPOTrainer`` then resumes that
+    from step 8 and trains steps 9-10 exactly too."""
     from tests.helpers import flip_bit
 
-    straight = _standin(verl_python, tmp_path / "a", 8)
+    straight = _standin(verl_python, tmp_path / "a", 10)
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-6000:]
-    killed = _standin(verl_python, tmp_path / "b", 8, "--kill-in-save-of", "6")
+    killed = _standin(verl_python, tmp_path / "b", 8, "--async", "--kill-in-save-of", "6")
     assert killed.returncode == -9, killed.stdout[-3000:] + killed.stderr[-6000:]
-    assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert not (tmp_path / "b" / "latest_checkpointed_iteration.txt").exists()  # async_save
+    assert (tmp_path / "b" / "global_step_6" / "data.pt").exists()  # its save never committed
     flip_bit(str(tmp_path / "b" / "raycheckpoint" / "actor" / "step_00000004" / "actor" / "__0_0.distcp"))
 
-    again = _standin(verl_python, tmp_path / "b", 8)
+    again = _standin(verl_python, tmp_path / "b", 8, "--async")
     log = again.stdout + again.stderr
     assert again.returncode == 0, log[-6000:]
     assert "passed over global_step_4" in log and "__0_0.distcp" in log, log[-6000:]
     assert "resumed 2" in again.stdout, log[-6000:]
+    legacy = _standin(verl_python, tmp_path / "b", 10, "--legacy")
+    assert legacy.returncode == 0, legacy.stdout[-3000:] + legacy.stderr[-6000:]
+    assert "resumed 8" in legacy.stdout, legacy.stdout[-3000:]
 
     def steps(run: str) -> list[dict]:
         return [json.loads(ln) for ln in (tmp_path / run / "steps.jsonl").read_text().splitlines()]
 
     a = {r["step"]: r for r in steps("a")}
     b = steps("b")
-    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 7, 8]
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 9, 10]
     for r in b:  # the same batch and, bit for bit, the same weights at every step
         assert r == a[r["step"]], (r, a[r["step"]])
-    # retention (max_actor_ckpt_to_keep=1, kept +1) across the three runs
+    # retention (max_actor_ckpt_to_keep=1, kept +1) across the four runs
     from raycheckpoint.admin import list_root
     from raycheckpoint.storage import Storage
 
     rows = list_root(Storage(str(tmp_path / "b" / "raycheckpoint" / "actor")))["checkpoints"]
-    assert [r["step"] for r in rows if r["state"] == "committed"] == [6, 8], rows
+    assert [r["step"] for r in rows if r["state"] == "committed"] == [8, 10], rows

@@ -31,7 +31,7 @@ def build_model() -> torch.nn.Module:
 class DropinRank:
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str,
                  master_port: int, timeout_s: float, contents: list[str] | None = None,
-                 options: dict[str, Any] | None = None) -> None:
+                 options: dict[str, Any] | None = None, async_save: bool = False) -> None:
         from raycheckpoint.integrations.verl import FSDPCheckpointManager
 
         init_process_group(rank=rank, world_size=world_size, master_addr=master_addr,
@@ -44,11 +44,14 @@ class DropinRank:
         fully_shard(self.model)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lambda s: min(1.0, (s + 1) / 4))
-        config = None if contents is None else {"save_contents": contents,
-                                                "load_contents": contents}
+        config = {} if contents is None else {"save_contents": contents, "load_contents": contents}
+        if async_save:
+            import verl  # noqa: F401 - as in verl's workers: the switch comes with it
+
+            config["async_save"] = True
         self.manager = FSDPCheckpointManager(model=self.model, optimizer=self.optim,
                                              lr_scheduler=self.sched, processing_class=None,
-                                             checkpoint_config=config, options=options)
+                                             checkpoint_config=config or None, options=options)
         torch.manual_seed(1000 + rank)  # each rank's own stream, as verl's ranks have
 
     def ready(self) -> bool:

@@ -4,7 +4,7 @@ verl, the project's root on ``PYTHONPATH`` and
 ``VERL_USE_EXTERNAL_MODULES=raycheckpoint.integrations.verl.patch`` set, in a session of its
 own (a run that kills itself ends its process group)::
 
-    verl_trainer_standin.py ROOT RAY_TEMP STEPS [--kill-in-save-of N]
+    verl_trainer_standin.py ROOT RAY_TEMP STEPS [--kill-in-save-of N] [--legacy] [--async]
 
 The stand-in holds what verl's v1 ``PPOTrainer._save_checkpoint`` and ``_load_checkpoint``
 read (``config``, ``global_steps``, ``actor_rollout_wg``, ``use_critic``,
@@ -16,7 +16,9 @@ optimizer step per rank; a save every 2 steps (``trainer.save_freq``), keeping
 ``max_actor_ckpt_to_keep=1``.  Appends ``{"step", "batch", "weights"}`` per step to
 ``ROOT/steps.jsonl``, and prints ``resumed <N>`` after the load.
 ``--kill-in-save-of N``: the ranks' persist hangs in step N's save, and the process
-group is SIGKILLed 3 s into it (the job dies while that save persists).
+group is SIGKILLed 3 s into it (the job dies while that save persists).  ``--legacy``:
+the methods of verl's legacy ``RayPPOTrainer`` instead of v1's.  ``--async``: verl's
+``async_save`` (the saves return after the host copy; verl's trainer writes no tracker).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class WorkerGroup:
 class StandIn:
     """The attributes verl's trainer methods read."""
 
-    def __init__(self, root: str, ranks: list) -> None:
+    def __init__(self, root: str, ranks: list, steps: int, async_save: bool) -> None:
         from verl.trainer.ppo.checkpoint_callback import build_checkpoint_callback
 
         self.config = OmegaConf.create({
@@ -65,8 +67,9 @@ class StandIn:
                         "del_local_ckpt_after_load": False, "default_hdfs_dir": None,
                         "max_actor_ckpt_to_keep": 1, "max_critic_ckpt_to_keep": 1,
                         "checkpoint_callback_class": None},
-            "actor_rollout_ref": {"actor": {"checkpoint": {"async_save": False}}}})
+            "actor_rollout_ref": {"actor": {"checkpoint": {"async_save": async_save}}}})
         self.global_steps = 0
+        self.total_training_steps = steps
         self.use_critic = False
         self.trainer_mode = "sync"
         self.actor_rollout_wg = WorkerGroup(ranks)
@@ -84,15 +87,20 @@ def kill_group_after(seconds: float) -> None:
     threading.Thread(target=run, daemon=True).start()
 
 
-def main(root: str, ray_temp: str, steps: int, kill_in: int | None) -> None:
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+def main(root: str, ray_temp: str, steps: int, kill_in: int | None, legacy: bool,
+         async_save: bool) -> None:
+    if legacy:
+        from verl.trainer.ppo.ray_trainer import RayPPOTrainer as PPOTrainer
+    else:
+        from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=ray_temp,
              logging_level="ERROR")
     from tests.verl_dropin_ranks import DropinRank
 
-    ranks = create_worker_group(DropinRank, role="actor", world_size=2, timeout_s=TIMEOUT_S)
-    trainer = StandIn(root, ranks)
+    ranks = create_worker_group(DropinRank, role="actor", world_size=2, timeout_s=TIMEOUT_S,
+                                async_save=async_save)
+    trainer = StandIn(root, ranks, steps, async_save)
     PPOTrainer._load_checkpoint(trainer)
     print(f"resumed {trainer.global_steps}", flush=True)
     batches = iter(trainer.train_dataloader)
@@ -118,4 +126,4 @@ def main(root: str, ray_temp: str, steps: int, kill_in: int | None) -> None:
 if __name__ == "__main__":
     args = sys.argv[1:]
     kill = int(args[args.index("--kill-in-save-of") + 1]) if "--kill-in-save-of" in args else None
-    main(args[0], args[1], int(args[2]), kill)
+    main(args[0], args[1], int(args[2]), kill, "--legacy" in args, "--async" in args)

@@ -112,9 +112,15 @@ class RoleRoot:
             expected=[(self.role, r) for r in range(self.world_size)],
             world_sizes={self.role: self.world_size}), self.config.save_wait_timeout_s + rpc)
 
-    def await_commit(self, save_id: str) -> dict[str, Any]:
-        return get(self.coordinator.await_save.remote(save_id),
-                   self.config.commit_timeout_s + self.config.rpc_timeout_s)
+    def await_commit(self, save_id: str, timeout: float | None = None) -> dict[str, Any]:
+        """The commit's result (or its error) once every rank has its host copy."""
+        if timeout is None:
+            timeout = self.config.commit_timeout_s
+        return get(self.coordinator.await_save.remote(save_id), timeout + self.config.rpc_timeout_s)
+
+    def snapshotted(self, save_id: str) -> None:
+        """Every rank has its host copy: the commit timeout runs from now."""
+        get(self.coordinator.snapshotted.remote(save_id), self.config.rpc_timeout_s)
 
     def plan_load(self, local_path: str, step: int | None, world_size: int, *,
                   weights_only: bool) -> dict[str, Any]:

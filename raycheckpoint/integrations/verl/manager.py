@@ -20,14 +20,18 @@ atomically once every rank has written, and applies retention (``max_ckpt_to_kee
 across restarts).  ``local_path`` gets ``raycheckpoint.json`` naming the committed
 checkpoint.  A load verifies every byte it reads and reshards to the job's world size.
 
-**A save returns once the role's checkpoint is committed.**  verl's trainer writes its
-``latest_checkpointed_iteration.txt`` and ``data.pt`` as soon as the managers return: a
-save returning after the host copy alone (raycheckpoint's own jobs do) would let a
-crash leave the tracker naming a step whose checkpoint never committed.  Returning
-earlier needs the trainer to move its tracker only after the commit; until that is
-part of this integration, the manager waits.  For the same reason retention keeps one
-checkpoint more than ``max_ckpt_to_keep``: between the commit of step ``N`` and the
-trainer's tracker naming it, the tracker still names the one before.
+**When a save returns.**  By default, once the role's checkpoint is committed: verl's
+trainer writes its ``latest_checkpointed_iteration.txt`` and ``data.pt`` as soon as the
+managers return, and a save returning earlier would let a crash leave the tracker naming
+a step whose checkpoint never committed.  With verl's own ``async_save`` option
+(``actor_rollout_ref.actor.checkpoint.async_save=true``) a save returns once every rank
+has its host copy, and persists and commits in the background.  That needs the switch
+(:mod:`~raycheckpoint.integrations.verl.patch`): verl's trainer then writes no tracker,
+and the switch's resume (:mod:`~raycheckpoint.integrations.verl.trainer`) takes the
+newest step every role committed, and waits for the last step's commits before training
+ends.  A background save that fails is logged (and warned) at the role's next save.
+Retention keeps one checkpoint more than ``max_ckpt_to_keep``: between the commit of step
+``N`` and the trainer's tracker naming it, the tracker still names the one before.
 
 Options (``raycheckpoint.config.CheckpointConfig`` names: ``save_dir``,
 ``storage_options``, ``encryption_key``, ``enable_checksum``, timeouts, ...) come from
@@ -45,6 +49,7 @@ import logging
 import os
 import posixpath
 import re
+import sys
 import time
 import warnings
 from datetime import timedelta
@@ -157,6 +162,11 @@ class FSDPCheckpointManager:
                              "ROOT CHECKPOINT OUT` writes the from_pretrained directory")
         if _flag(checkpoint_config, "save_lora_only"):
             raise ValueError("save_lora_only is not supported by raycheckpoint's verl manager yet")
+        self.async_save = _flag(checkpoint_config, "async_save")
+        if self.async_save and "raycheckpoint.integrations.verl.patch" not in sys.modules:
+            raise ValueError("checkpoint async_save: verl's trainer then writes no tracker, and only "
+                             "the switch's resume finds the steps committed; set "
+                             "VERL_USE_EXTERNAL_MODULES=raycheckpoint.integrations.verl.patch")
         self.options = read_options(options)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         rpc = float(self.options.get("rpc_timeout_s", 600.0))
@@ -168,6 +178,7 @@ class FSDPCheckpointManager:
         self._roots: dict[str, RoleRoot] = {}  # root URL -> this process's view of it
         self.previous_global_step: int | None = None
         self.previous_saved_paths: list[str] = []
+        self._pending: tuple | None = None  # rank 0: the background save not yet settled
 
     # ---- verl's properties ------------------------------------------------------------------
 
@@ -243,26 +254,54 @@ class FSDPCheckpointManager:
             raise ValueError("save_contents has optimizer, but the manager has no optimizer")
         kind = "full" if "optimizer" in contents else "light"
         root = self._root(local_path, max_ckpt_to_keep, saving=True)
+        self._settle(root.config.save_wait_timeout_s)
         t0 = time.perf_counter()
         begun = self._ranks.from_rank0(lambda: root.begin(global_step, kind))
-        if "existing" not in begun:
+        if "existing" in begun:
+            name = begun["existing"]["name"]
+        else:
             error = None
             try:  # the persist starts at once and reports to the coordinator
                 self._state.ckpt_snapshot(begun["save_id"], begun["name"], kind, root.coordinator,
                                           wait_timeout_s=root.config.save_wait_timeout_s)
-            except BaseException as e:  # noqa: BLE001 - the commit below fails with it
+            except BaseException as e:  # noqa: BLE001 - the save fails with it below
                 error = e
+            if self.async_save:  # every rank has its host copy: the rest goes on behind
+                self._ranks.outcomes(error)
+                if self.rank == 0:
+                    root.snapshotted(begun["save_id"])
+                    self._pending = (root, begun["save_id"], local_path, global_step, t0)
+                self._saved(local_path, global_step)
+                return
             result = self._ranks.from_rank0(lambda: root.await_commit(begun["save_id"]))
             if error is not None:  # the coordinator failed the save without this rank
                 raise error
             name = result["name"]
-        else:
-            name = begun["existing"]["name"]
         if self.rank == 0:
             write_pointer(local_path, root, name, global_step, time.perf_counter() - t0)
+        self._saved(local_path, global_step)
+
+    def _saved(self, local_path: str, global_step: int) -> None:
         self.previous_global_step = global_step
         if local_path not in self.previous_saved_paths:
             self.previous_saved_paths.append(local_path)
+
+    def _settle(self, timeout: float) -> None:
+        """Rank 0: the outcome of the background save before this call (``async_save``):
+        its pointer written once it committed, its failure logged and warned (the next
+        resume takes the newest step every role committed)."""
+        if self._pending is None:
+            return
+        root, save_id, local_path, step, t0 = self._pending
+        self._pending = None
+        try:
+            result = root.await_commit(save_id, timeout)
+        except Exception as e:  # noqa: BLE001 - training goes on; the failure is told
+            logger.error("checkpoint of step %d (%s) failed: %s", step, root.url, e)
+            warnings.warn(f"checkpoint of step {step} ({root.url}) failed in the background: {e}",
+                          RuntimeWarning, stacklevel=3)
+            return
+        write_pointer(local_path, root, result["name"], step, time.perf_counter() - t0)
 
     # ---- load -------------------------------------------------------------------------------
 
@@ -278,6 +317,7 @@ class FSDPCheckpointManager:
         contents = set(self.checkpoint_load_contents)
         weights_only = not contents & {"optimizer", "extra"}
         root = self._root(local_path)
+        self._settle(root.config.save_wait_timeout_s)
         plan = self._ranks.from_rank0(lambda: root.plan_load(
             local_path, step, self.world_size, weights_only=weights_only))
         error, answer = None, None
@@ -296,6 +336,8 @@ class FSDPCheckpointManager:
         verl never calls it: a worker process that ends normally does it on its way out
         (for a few seconds at most); one that is killed leaves its leases to go stale
         after ``lease_ttl_s``, when the next job takes them over."""
+        if self._pending is not None:
+            self._settle(self._pending[0].config.save_wait_timeout_s if timeout is None else timeout)
         roots, self._roots = list(self._roots.values()), {}
         for root in roots:
             root.close(timeout)

@@ -58,7 +58,18 @@ def _trainer(cls_name: str, function: str) -> Callable[[ModuleType], None]:
     def patch(module: ModuleType) -> None:
         from raycheckpoint.integrations.verl import trainer
 
-        getattr(module, cls_name)._load_checkpoint = getattr(trainer, function)
+        cls = getattr(module, cls_name)
+        cls._load_checkpoint = getattr(trainer, function)
+        save = cls._save_checkpoint
+        if getattr(save, "_raycheckpoint", False):
+            return
+
+        def _save_checkpoint(self: Any) -> None:  # verl's, then the last step's commits
+            save(self)
+            trainer.after_save(self)
+
+        _save_checkpoint._raycheckpoint = True
+        cls._save_checkpoint = _save_checkpoint
 
     return patch
 

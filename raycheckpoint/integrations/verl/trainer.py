@@ -20,6 +20,11 @@ the file asks.  :func:`load_checkpoint` replaces that method
 ``data.pt`` is read with ``torch.load(weights_only=True)``; a file that needs code is
 refused, naming it.  The rest is verl's: ``global_steps``, the legacy trainer's
 data-loader skip at an epoch boundary, v1's TransferQueue restore in its async modes.
+
+Under verl's ``async_save`` the managers return after the host copy (:mod:`.manager`);
+:func:`after_save` runs after verl's ``_save_checkpoint`` and, at the last training
+step, waits until every role's checkpoint has committed, so that training does not end
+(and Ray end the workers) with the final checkpoint still persisting.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import os
 from typing import Any
 
 from raycheckpoint._internal.rpc import unwrap
-from raycheckpoint.errors import IntegrityError
+from raycheckpoint.errors import CheckpointSaveError, IntegrityError
 from raycheckpoint.integrations.verl.manager import read_options, role_root
 from raycheckpoint.protocol import catalog
 from raycheckpoint.storage import Storage
@@ -169,3 +174,32 @@ def _load_step(self: Any, base: str, step: int, roles: list[str], legacy: bool) 
 
             tq.load_checkpoint(tq_path)
             self._restored_tq_prompt_count = _count_tq_prompt_groups()
+
+
+def _async_save(self: Any) -> bool:
+    cfg = self.config.get("actor_rollout_ref", {}).get("actor", {}).get("checkpoint", {}) or {}
+    return bool(cfg.get("async_save", False))
+
+
+def after_save(self: Any, timeout: float = 1800.0) -> None:
+    """After verl's ``_save_checkpoint``: under ``async_save``, at the last training step,
+    wait until every role's checkpoint of it has committed; raise if one did not."""
+    total = getattr(self, "total_training_steps", None)
+    if not _async_save(self) or total is None or self.global_steps < total:
+        return
+    import ray
+
+    from raycheckpoint.protocol import coordinator_actor
+
+    options = read_options()
+    base = _absolute(self.config.trainer.default_local_dir)
+    for role in _roles(self):
+        url = role_root(base, role, options)
+        storage = Storage(url, dict(options.get("storage_options") or {}), create=False)
+        coordinator = ray.get_actor(coordinator_actor.actor_name(storage),
+                                    namespace=coordinator_actor.NAMESPACE)
+        if ray.get(coordinator.wait_cleanup.remote(timeout), timeout=timeout + 60) is None:
+            raise CheckpointSaveError(f"the last checkpoint of {role} (global_step_"
+                                      f"{self.global_steps}) did not commit in {url}; the "
+                                      "next resume takes the newest step every role committed",
+                                      failures={role: "not committed"})
