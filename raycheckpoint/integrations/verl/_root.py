@@ -84,7 +84,7 @@ class RoleRoot:
              world_size: int) -> RoleRoot:
         settings = {k: v for k, v in options.items() if k.removeprefix("checkpoint.") != "save_dir"}
         config = CheckpointConfig.from_dict({**settings, "save_dir": url,
-                                             "keep_last_n": keep_last_n(keep)})
+                                             "keep_last_n": keep_last_n(keep, options)})
         cipher = (FileCipher(load_key(config.encryption_key))
                   if config.encryption_key is not None else None)
         roots = open_roots(config, cipher)
@@ -200,8 +200,9 @@ class RoleRoot:
                 roots.release()
 
 
-def keep_last_n(max_ckpt_to_keep: int | None) -> int | None:
-    """verl's ``max_ckpt_to_keep`` as ``keep_last_n``: None or 0 keeps all; else one more."""
+def keep_last_n(max_ckpt_to_keep: int | None, options: dict[str, Any]) -> int | None:
+    """verl's ``max_ckpt_to_keep`` as ``keep_last_n``: one more; where verl passes None or
+    0 (keep all), the options' own ``keep_last_n``, if they name one."""
     if not max_ckpt_to_keep or max_ckpt_to_keep <= 0:
-        return None
+        return options.get("keep_last_n", options.get("checkpoint.keep_last_n"))
     return int(max_ckpt_to_keep) + 1

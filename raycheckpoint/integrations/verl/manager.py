@@ -206,7 +206,7 @@ class FSDPCheckpointManager:
         changed it) reopens it with the new retention."""
         url = self.root_url(local_path)
         root = self._roots.get(url)
-        if root is not None and (not saving or keep_last_n(keep) == root.config.keep_last_n):
+        if root is not None and (not saving or keep_last_n(keep, self.options) == root.config.keep_last_n):
             return root
         if root is not None:  # every rank sees the same config: they all reopen together
             del self._roots[url]
