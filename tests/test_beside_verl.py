@@ -139,3 +139,27 @@ def test_verls_trainer_resumes_from_the_newest_step_that_loads(verl_python, tmp_
 
     rows = list_root(Storage(str(tmp_path / "b" / "raycheckpoint" / "actor")))["checkpoints"]
     assert [r["step"] for r in rows if r["state"] == "committed"] == [8, 10], rows
+
+
+def test_a_step_verls_own_manager_saved_is_imported_and_resumed(verl_python, tmp_path):
+    """The switch made mid-training (tests/verl_import_script.py): verl's own manager saves
+    step 2 of a two-rank FSDP2 Qwen2 with tied embeddings, ``raycheckpoint import-verl``
+    carries it over, and raycheckpoint's manager loads it into fresh ranks: model,
+    optimizer and scheduler equal verl's, and the next two steps give the same weights."""
+    ray_temp = tempfile.mkdtemp(prefix="rcverl-", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_MODULES"}
+    env["PYTHONPATH"] = str(ROOT)
+    try:
+        done = subprocess.run([str(verl_python), str(ROOT / "tests" / "verl_import_script.py"),
+                               str(tmp_path), ray_temp], capture_output=True, text=True,
+                              timeout=400, env=env)
+    finally:
+        shutil.rmtree(ray_temp, ignore_errors=True)
+    lines = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert lines, done.stdout[-3000:] + done.stderr[-6000:]
+    result = lines[-1]
+    assert done.returncode == 0, result
+    [imported] = result["imported"]
+    assert imported["role"] == "actor" and imported["from_world_size"] == 2
+    assert imported["parameters"] == imported["tensors"] - 1  # the tied lm_head, once
+    assert (tmp_path / "raycheckpoint" / "actor" / "step_00000002" / "COMMITTED").exists()

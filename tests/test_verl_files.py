@@ -43,6 +43,7 @@ def test_a_role_reads_whole_bit_for_bit(tmp_path, world, mesh):
     for k, v in expected["model"].items():
         assert_same(role.model[k], v)
     by_index = dict(enumerate(expected["names"]))
+    assert role.params == expected["names"]  # what the optimizer's indices are
     assert sorted(role.optimizer["state"]) == list(by_index)
     for i, state in role.optimizer["state"].items():
         for k, v in expected["optim"]["state"][by_index[i]].items():

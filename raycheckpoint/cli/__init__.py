@@ -1,5 +1,5 @@
 """``raycheckpoint``: look at, verify, clean up and export checkpoints; no Ray needed
-(except to list a running job's memory tier: ``ls --memory``).
+(except to list a running job's memory tier, ``ls --memory``, and for ``import-verl``).
 
     raycheckpoint ls ROOT [--local DIR [--memory RAY_ADDRESS]]
     raycheckpoint inspect REF [--all-tensors]
@@ -9,6 +9,7 @@
     raycheckpoint export REF OUT --format hf|state_dict [--role actor]
     raycheckpoint diff REF CONFIG [--fingerprint MODULE:FUNC]
     raycheckpoint tag REF NAME  /  raycheckpoint untag ROOT NAME
+    raycheckpoint import-verl DIR [--step N] [--role actor ...] [--save-dir ROOT]
 
 REF is a checkpoint directory (``ROOT/step_00000010``), a root (meaning its LATEST), or
 a root with ``--step N`` / ``--tag NAME``.  Any fsspec URI works (``s3://bucket/run``);
@@ -160,6 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ref(p)
     p.add_argument("--encryption-key", metavar="env:NAME|file:PATH", required=True,
                    help="the key the checkpoint was written with")
+    _add_common(p)
+
+    p = sub.add_parser("import-verl", help="carry a step verl's own manager wrote into the roots "
+                       "raycheckpoint's verl switch reads (once, to switch mid-training)")
+    p.add_argument("dir", metavar="DIR", help="verl's trainer.default_local_dir")
+    p.add_argument("--step", type=int, help="the step (default: the one verl's tracker names)")
+    p.add_argument("--role", action="append", help="a role to import (repeatable; default: all)")
+    p.add_argument("--save-dir", help="the roots' parent, as the switch's save_dir option "
+                   "(default: DIR/raycheckpoint; RAYCHECKPOINT_VERL_OPTIONS is read too)")
     _add_common(p)
     return parser
 

@@ -314,6 +314,26 @@ def cmd_reseal(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_import_verl(args: argparse.Namespace) -> int:
+    from raycheckpoint.integrations.verl.importer import import_step
+
+    options: dict[str, Any] = {}
+    if args.save_dir:
+        options["save_dir"] = args.save_dir
+    if args.storage_option:
+        options["storage_options"] = storage_options(args)
+    docs = import_step(args.dir, args.step, args.role, options)
+    if args.json:
+        emit_json(docs)
+    else:
+        out = make_console()
+        for d in docs:
+            out.print(f"imported {d['role']} of global_step_{d['step']} (saved by "
+                      f"{d['from_world_size']} rank(s); {d['tensors']} tensors, "
+                      f"{d['parameters']} parameters) -> {d['root']}")
+    return EXIT_OK
+
+
 COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc,
             "export": cmd_export, "diff": cmd_diff, "tag": cmd_tag, "untag": cmd_untag,
-            "reseal": cmd_reseal}
+            "reseal": cmd_reseal, "import-verl": cmd_import_verl}

@@ -42,7 +42,10 @@ class VerlCheckpointError(ValueError):
 class VerlRole:
     """One role of a verl checkpoint, whole: ``model`` (name -> tensor), ``optimizer``
     (torch's ``optimizer.state_dict()`` layout, whole tensors, or None), ``extra`` (rank
-    0's ``extra_state``: the LR scheduler's state, the RNG; or None), per-rank RNG."""
+    0's ``extra_state``: the LR scheduler's state, the RNG; or None), per-rank RNG.
+    ``params``: the model's parameters in the order of ``module.parameters()``, which
+    the optimizer's state is keyed by (FSDP2 makes every parameter a DTensor and leaves
+    buffers alone; a tied parameter is listed once, under its first name)."""
 
     path: str
     world_size: int
@@ -51,6 +54,7 @@ class VerlRole:
     optimizer: dict[str, Any] | None = None
     extra: dict[str, Any] | None = None
     rank_rng: list[Any] = field(default_factory=list)
+    params: list[str] = field(default_factory=list)
 
 
 def rank_file(path: str, kind: str, world_size: int, rank: int) -> str:
@@ -184,4 +188,20 @@ def read_role(path: str, *, contents: tuple[str, ...] = ("model", "optim", "extr
     extra = files.get("extra_state")
     return VerlRole(path=path, world_size=world, fsdp_version=version, model=model,
                     optimizer=optim, extra=extra[0] if extra else None,
-                    rank_rng=[e.get("rng") for e in extra] if extra else [])
+                    rank_rng=[e.get("rng") for e in extra] if extra else [],
+                    params=_parameters(files["model"][0]) if "model" in files else [])
+
+
+def _parameters(rank0: dict[str, Any]) -> list[str]:
+    """The DTensor entries of rank 0's model file in order, each storage once."""
+    seen: set[int] = set()
+    out = []
+    for name, value in rank0.items():
+        if not isinstance(value, DTensor):
+            continue
+        ptr = value.to_local().untyped_storage().data_ptr()
+        if ptr in seen and value.to_local().numel():
+            continue
+        seen.add(ptr)
+        out.append(name)
+    return out

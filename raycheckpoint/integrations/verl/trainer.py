@@ -126,8 +126,9 @@ def _load(self: Any, *, legacy: bool) -> int:
         raise FileNotFoundError(
             f"{base}/{TRACKER} names a checkpoint, but no raycheckpoint root under {base} "
             f"holds one ({', '.join(role_root(base, r, options) for r in roles)}): those "
-            "checkpoints were written by verl's own manager, which raycheckpoint does not "
-            "read; set trainer.resume_mode=disable to start afresh")
+            "checkpoints were written by verl's own manager: carry the step over once with "
+            f"`raycheckpoint import-verl {base}`, or set trainer.resume_mode=disable to start "
+            "afresh")
     if candidates:
         raise IntegrityError(f"no checkpoint under {base} loads: every one of steps "
                              f"{candidates} failed verification (see the warnings)", path=base)
