@@ -231,22 +231,34 @@ class CheckpointLoader:
         """(worker, its ``ckpt_load`` request) for every rank of a role the checkpoint has."""
         out = []
         for role, workers in self.groups.items():
-            layout = ck.manifest.roles.get(role)
-            if layout is None:
+            if role not in ck.manifest.roles:
                 continue
-            prefix = layout.dcp_dir + "/"
-            files = {p: e.to_dict() for p, e in ck.manifest.files.items() if p.startswith(prefix)}
-            for rank, w in enumerate(workers):
-                src_rank = rank if rank < layout.world_size else 0
-                suffix = "/" + rng_file(role, src_rank)
-                rng = None if weights_only else next(
-                    (f for f in layout.files if f.endswith(suffix)), None)
-                files_r = files if rng is None else {**files, rng: ck.manifest.files[rng].to_dict()}
-                out.append((w, {
-                    "dcp_dir": layout.dcp_dir, "files": files_r,
-                    "checksums": self.config.enable_checksum,
-                    "kind": "light" if weights_only else "full",
-                    "saved_world_size": layout.world_size, "rng_file": rng, "partial": not strict,
-                    "wait_timeout_s": self.config.save_wait_timeout_s, "storage": storage}))
+            requests = role_requests(ck, role, len(workers), self.config,
+                                     weights_only=weights_only, strict=strict, storage=storage)
+            out += zip(workers, requests, strict=True)
         return out
 
+
+def role_requests(ck: VerifiedCheckpoint, role: str, world_size: int, config: CheckpointConfig, *,
+                  weights_only: bool, strict: bool,
+                  storage: StorageSpec | None = None) -> list[dict[str, Any]]:
+    """The ``ckpt_load`` request of each of ``world_size`` ranks of ``role`` (which ``ck``
+    holds): the role's tensor files, and a rank's own RNG file (rank 0's for a rank the
+    saved job did not have) unless ``weights_only``."""
+    layout = ck.manifest.roles[role]
+    prefix = layout.dcp_dir + "/"
+    files = {p: e.to_dict() for p, e in ck.manifest.files.items() if p.startswith(prefix)}
+    out = []
+    for rank in range(world_size):
+        src_rank = rank if rank < layout.world_size else 0
+        suffix = "/" + rng_file(role, src_rank)
+        rng = None if weights_only else next(
+            (f for f in layout.files if f.endswith(suffix)), None)
+        files_r = files if rng is None else {**files, rng: ck.manifest.files[rng].to_dict()}
+        out.append({
+            "dcp_dir": layout.dcp_dir, "files": files_r,
+            "checksums": config.enable_checksum,
+            "kind": "light" if weights_only else "full",
+            "saved_world_size": layout.world_size, "rng_file": rng, "partial": not strict,
+            "wait_timeout_s": config.save_wait_timeout_s, "storage": storage})
+    return out

@@ -16,11 +16,11 @@ from raycheckpoint.config import CheckpointConfig
 from raycheckpoint.errors import CheckpointNotFoundError, IntegrityError, LightCheckpointError
 from raycheckpoint.integrity.crypto import FileCipher, check_key, load_key
 from raycheckpoint.integrity.verify import verify_files
+from raycheckpoint.loader import role_requests
 from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol import coordinator_actor
 from raycheckpoint.protocol.candidates import Tier, first_that_opens, resume_candidates
 from raycheckpoint.protocol.checkpoint import open_verified
-from raycheckpoint.protocol.paths import rng_file
 from raycheckpoint.roots import open_roots
 from raycheckpoint.state import capture_rng
 from raycheckpoint.storage import FileEntry
@@ -28,12 +28,18 @@ from raycheckpoint.storage import FileEntry
 POINTER = "raycheckpoint.json"  # written into verl's local_path: which checkpoint it is
 
 
-def write_pointer(local_path: str, root: RoleRoot, name: str, step: int, seconds: float) -> None:
-    """``local_path/raycheckpoint.json``: where verl's directory for the role has its state."""
+def _pointer_fs(local_path: str, root: RoleRoot) -> tuple[Any, str]:
+    """The filesystem and path of verl's ``local_path`` (the root's storage options where
+    it is a URL too)."""
     import fsspec
 
     options = root.config.storage_options if "://" in local_path else {}
-    fs, path = fsspec.core.url_to_fs(local_path, **options)
+    return fsspec.core.url_to_fs(local_path, **options)
+
+
+def write_pointer(local_path: str, root: RoleRoot, name: str, step: int, seconds: float) -> None:
+    """``local_path/raycheckpoint.json``: where verl's directory for the role has its state."""
+    fs, path = _pointer_fs(local_path, root)
     fs.makedirs(path, exist_ok=True)
     doc = {"root": root.url, "checkpoint": name, "step": step, "save_s": round(seconds, 3),
            "note": "written by raycheckpoint; the checkpoint itself is in the root"}
@@ -43,10 +49,7 @@ def write_pointer(local_path: str, root: RoleRoot, name: str, step: int, seconds
 def pointed_step(local_path: str, root: RoleRoot) -> int:
     """The step ``local_path/raycheckpoint.json`` names, for a path with no
     ``global_step_<N>``; it must name this role's root (it only picks a step there)."""
-    import fsspec
-
-    options = root.config.storage_options if "://" in local_path else {}
-    fs, path = fsspec.core.url_to_fs(local_path, **options)
+    fs, path = _pointer_fs(local_path, root)
     pointer = posixpath.join(path, POINTER)
     try:
         doc = json.loads(fs.cat_file(pointer))
@@ -139,29 +142,15 @@ class RoleRoot:
                 raise LightCheckpointError(
                     f"{name} is a light checkpoint (model weights only): load_contents must "
                     "be ['model'] to load it", name=name)
-            layout = ck.manifest.roles.get(self.role)
-            if layout is None:
+            if self.role not in ck.manifest.roles:
                 raise IntegrityError(f"{name} holds no state for role {self.role!r} (it has "
                                      f"{sorted(ck.manifest.roles)})", path=name)
-            prefix = layout.dcp_dir + "/"
-            files = {p: e.to_dict() for p, e in ck.manifest.files.items() if p.startswith(prefix)}
-            requests = []
-            for rank in range(world_size):
-                suffix = "/" + rng_file(self.role, rank if rank < layout.world_size else 0)
-                rng = None if weights_only else next(
-                    (f for f in layout.files if f.endswith(suffix)), None)
-                own = files if rng is None else {**files, rng: ck.manifest.files[rng].to_dict()}
-                requests.append({
-                    "dcp_dir": layout.dcp_dir, "files": own,
-                    "checksums": self.config.enable_checksum,
-                    "kind": "light" if weights_only else "full",
-                    "saved_world_size": layout.world_size, "rng_file": rng, "partial": False,
-                    "wait_timeout_s": self.config.save_wait_timeout_s})
+            requests = role_requests(ck, self.role, world_size, self.config,
+                                     weights_only=weights_only, strict=True)
             handed = {p for r in requests for p in r["files"]}
             verify_files(storage, {p: e for p, e in ck.manifest.files.items() if p not in handed})
-            return {"name": ck.name, "step": ck.step, "requests": requests,
-                    "files": {p: e.to_dict() for p, e in ck.manifest.files.items() if p in handed},
-                    "saved_world_size": layout.world_size}
+            return {"name": ck.name, "requests": requests,
+                    "files": {p: e.to_dict() for p, e in ck.manifest.files.items() if p in handed}}
 
         try:
             plan = first_that_opens(resume_candidates([Tier(storage)], step), attempt)
