@@ -37,9 +37,9 @@ from torch import nn
 
 from raycheckpoint.integrations.verl.checkpoint_files import VerlCheckpointError, VerlRole, read_role
 from raycheckpoint.integrations.verl.manager import FSDPCheckpointManager, read_options
+from raycheckpoint.integrations.verl.trainer import TRACKER
 
 ADAM_STATE = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def import_step(directory: str, step: int | None = None, roles: list[str] | None = None,

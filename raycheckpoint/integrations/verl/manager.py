@@ -62,7 +62,7 @@ from raycheckpoint._internal import exit as process_exit
 from raycheckpoint.integrations.verl._ranks import Collectives, RankState
 from raycheckpoint.integrations.verl._root import RoleRoot, keep_last_n, write_pointer
 
-__all__ = ["OPTIONS_ENV", "FSDPCheckpointManager", "read_options", "role_root", "where"]
+__all__ = ["OPTIONS_ENV", "FSDPCheckpointManager", "absolute", "read_options", "role_root", "where"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +73,15 @@ NOT_HERE = ("local_dir", "memory_replicas", "local_dir_per_node")  # tiers: not 
 _STEP_DIR = re.compile(r"global_step_(\d+)")
 
 
+def _setting(config: Any, key: str, default: Any = None) -> Any:
+    """``key`` of verl's checkpoint config: a DictConfig or dict, or its dataclass."""
+    if config is None:
+        return default
+    return config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+
+
 def _contents(config: Any, key: str, default: tuple[str, ...]) -> list[str]:
-    value = None
-    if config is not None:
-        value = config.get(key) if hasattr(config, "get") else getattr(config, key, None)
+    value = _setting(config, key)
     out = list(default if value is None else value)
     unknown = sorted(set(out) - KNOWN_CONTENTS)
     if unknown:
@@ -85,9 +90,7 @@ def _contents(config: Any, key: str, default: tuple[str, ...]) -> list[str]:
 
 
 def _flag(config: Any, key: str) -> bool:
-    if config is None:
-        return False
-    return bool(config.get(key, False) if hasattr(config, "get") else getattr(config, key, False))
+    return bool(_setting(config, key, False))
 
 
 def where(local_path: str) -> tuple[str, str, int | None]:
@@ -103,7 +106,8 @@ def where(local_path: str) -> tuple[str, str, int | None]:
     return posixpath.dirname(parent), role, int(m.group(1))
 
 
-def _absolute(path: str) -> str:
+def absolute(path: str) -> str:
+    """``path`` made absolute (against the working directory, as verl does); a URL as is."""
     return path if "://" in path else os.path.abspath(path)
 
 
@@ -112,7 +116,7 @@ def role_root(base: str, role: str, options: dict[str, Any]) -> str:
     (``trainer.default_local_dir``): ``<base>/raycheckpoint/<role>``, or
     ``<save_dir>/<role>`` where the options name a ``save_dir``."""
     save_dir = options.get("save_dir") or options.get("checkpoint.save_dir")
-    top = _absolute(save_dir) if save_dir else posixpath.join(_absolute(base), "raycheckpoint")
+    top = absolute(save_dir) if save_dir else posixpath.join(absolute(base), "raycheckpoint")
     return posixpath.join(top.rstrip("/"), role)
 
 

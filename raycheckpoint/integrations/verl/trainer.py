@@ -35,7 +35,7 @@ from typing import Any
 
 from raycheckpoint._internal.rpc import unwrap
 from raycheckpoint.errors import CheckpointSaveError, IntegrityError
-from raycheckpoint.integrations.verl.manager import read_options, role_root
+from raycheckpoint.integrations.verl.manager import absolute, read_options, role_root
 from raycheckpoint.protocol import catalog
 from raycheckpoint.storage import Storage
 
@@ -50,8 +50,7 @@ def committed_steps(base: str, roles: list[str], options: dict[str, Any], *,
     ``data_loader``), newest first."""
     steps: set[int] | None = None
     for role in roles:
-        url = role_root(base, role, options)
-        storage = Storage(url, dict(options.get("storage_options") or {}), create=False)
+        _, storage = _role_storage(base, role, options)
         try:
             markers, _ = catalog.scan(storage)
         except FileNotFoundError:
@@ -72,8 +71,10 @@ def _roles(trainer: Any) -> list[str]:
     return ["actor", "critic"] if getattr(trainer, "use_critic", False) else ["actor"]
 
 
-def _absolute(path: str) -> str:
-    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+def _role_storage(base: str, role: str, options: dict[str, Any]) -> tuple[str, Storage]:
+    """The URL and storage of ``role``'s root under verl's ``base`` (not created)."""
+    url = role_root(base, role, options)
+    return url, Storage(url, dict(options.get("storage_options") or {}), create=False)
 
 
 def load_checkpoint(self: Any) -> int:
@@ -97,14 +98,14 @@ def _load(self: Any, *, legacy: bool) -> int:
         return 0
     if legacy and cfg.get("default_hdfs_dir") is not None:
         raise NotImplementedError("load from hdfs is not implemented yet")  # as verl's legacy trainer
-    base = _absolute(cfg.default_local_dir)
+    base = absolute(cfg.default_local_dir)
     options = read_options()
     roles = _roles(self)
     if mode == "resume_path":
         path = cfg.resume_from_path
         if not isinstance(path, str) or "global_step_" not in path:
             raise ValueError(f"trainer.resume_from_path must name a global_step_<N> folder, got {path!r}")
-        folder = _absolute(path)
+        folder = absolute(path)
         step = int(folder.rstrip("/").split("global_step_")[-1])
         base = os.path.dirname(folder.rstrip("/"))
         _load_step(self, base, step, roles, legacy)
@@ -193,10 +194,9 @@ def after_save(self: Any, timeout: float = 1800.0) -> None:
     from raycheckpoint.protocol import coordinator_actor
 
     options = read_options()
-    base = _absolute(self.config.trainer.default_local_dir)
+    base = absolute(self.config.trainer.default_local_dir)
     for role in _roles(self):
-        url = role_root(base, role, options)
-        storage = Storage(url, dict(options.get("storage_options") or {}), create=False)
+        url, storage = _role_storage(base, role, options)
         coordinator = ray.get_actor(coordinator_actor.actor_name(storage),
                                     namespace=coordinator_actor.NAMESPACE)
         if ray.get(coordinator.wait_cleanup.remote(timeout), timeout=timeout + 60) is None:
