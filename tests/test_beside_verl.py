@@ -34,6 +34,28 @@ def run(cmd: list, timeout: float, **kwargs) -> str:
     return done.stdout
 
 
+SWITCH = {"VERL_USE_EXTERNAL_MODULES": "raycheckpoint.integrations.verl.patch"}
+
+
+def beside_verl(verl_python: Path, script: str, target: Path, *rest: str, switch: bool,
+                timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``tests/<script> TARGET RAY_TEMP REST...`` with verl's Python: this tree's source
+    first on its path (over the installed copy), a Ray temporary directory of its own
+    (short: Ray's sockets live there), and the switch made by the environment variable
+    or, without ``switch``, not made."""
+    ray_temp = tempfile.mkdtemp(prefix="rcverl-", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if k not in SWITCH}
+    env["PYTHONPATH"] = str(ROOT)
+    if switch:
+        env.update(SWITCH)
+    try:
+        return subprocess.run([str(verl_python), str(ROOT / "tests" / script), str(target),
+                               ray_temp, *rest], capture_output=True, text=True,
+                              timeout=timeout, env=env, **kwargs)
+    finally:
+        shutil.rmtree(ray_temp, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def verl_python() -> Path:
     py = ENV / "bin" / "python"
@@ -53,14 +75,11 @@ def test_the_environment_beside_verl_keeps_verls_pins(verl_python):
 
 
 def test_the_library_saves_and_loads_beside_verl(verl_python, tmp_path):
-    ray_temp = tempfile.mkdtemp(prefix="rcverl-", dir="/tmp")  # short: Ray's sockets live there
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree's source, over the installed copy
-    try:
-        out = run([verl_python, ROOT / "tests" / "beside_verl_script.py", tmp_path / "ckpt", ray_temp],
-                  timeout=300, env=env)
-    finally:
-        shutil.rmtree(ray_temp, ignore_errors=True)
-    report = json.loads(out.strip().splitlines()[-1])
+    done = beside_verl(verl_python, "beside_verl_script.py", tmp_path / "ckpt", switch=False,
+                       timeout=300)
+    assert done.returncode == 0, (f"beside_verl_script.py failed ({done.returncode}):\n"
+                                  f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["verl"] == VERL and report["raycheckpoint"].startswith(str(ROOT)), report
     assert report["loaded_step"] == 1 and report["bitwise"], report
 
@@ -69,15 +88,7 @@ def test_verls_own_checkpoint_test_passes_with_raycheckpoint_switched_in(verl_py
     """verl's ``test_fsdp_ckpt.py`` (ported to CPU and gloo: tests/verl_fsdp_ckpt_port.py)
     under FSDP2 and FSDP1, with verl's ``FSDPCheckpointManager`` replaced by the one
     environment variable the README documents: state and logits equal after a resume."""
-    ray_temp = tempfile.mkdtemp(prefix="rcverl-", dir="/tmp")
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "VERL_USE_EXTERNAL_MODULES": "raycheckpoint.integrations.verl.patch"}
-    try:
-        done = subprocess.run([str(verl_python), str(ROOT / "tests" / "verl_fsdp_ckpt_port.py"),
-                               str(tmp_path), ray_temp], capture_output=True, text=True,
-                              timeout=400, env=env)
-    finally:
-        shutil.rmtree(ray_temp, ignore_errors=True)
+    done = beside_verl(verl_python, "verl_fsdp_ckpt_port.py", tmp_path, switch=True, timeout=400)
     lines = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
     assert [d["strategy"] for d in lines] == ["fsdp2", "fsdp"], done.stdout[-3000:] + done.stderr[-6000:]
     for doc in lines:
@@ -87,15 +98,9 @@ def test_verls_own_checkpoint_test_passes_with_raycheckpoint_switched_in(verl_py
 
 
 def _standin(verl_python, root, steps: int, *extra: str) -> subprocess.CompletedProcess:
-    ray_temp = tempfile.mkdtemp(prefix="rcverl-", dir="/tmp")
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "VERL_USE_EXTERNAL_MODULES": "raycheckpoint.integrations.verl.patch"}
-    try:  # a session of its own: the killed run ends its whole process group
-        return subprocess.run([str(verl_python), str(ROOT / "tests" / "verl_trainer_standin.py"),
-                               str(root), ray_temp, str(steps), *extra], capture_output=True,
-                              text=True, timeout=300, env=env, start_new_session=True)
-    finally:
-        shutil.rmtree(ray_temp, ignore_errors=True)
+    # a session of its own: the killed run ends its whole process group
+    return beside_verl(verl_python, "verl_trainer_standin.py", root, str(steps), *extra,
+                       switch=True, timeout=300, start_new_session=True)
 
 
 def test_verls_trainer_resumes_from_the_newest_step_that_loads(verl_python, tmp_path):
@@ -146,15 +151,7 @@ def test_a_step_verls_own_manager_saved_is_imported_and_resumed(verl_python, tmp
     step 2 of a two-rank FSDP2 Qwen2 with tied embeddings, ``raycheckpoint import-verl``
     carries it over, and raycheckpoint's manager loads it into fresh ranks: model,
     optimizer and scheduler equal verl's, and the next two steps give the same weights."""
-    ray_temp = tempfile.mkdtemp(prefix="rcverl-", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_MODULES"}
-    env["PYTHONPATH"] = str(ROOT)
-    try:
-        done = subprocess.run([str(verl_python), str(ROOT / "tests" / "verl_import_script.py"),
-                               str(tmp_path), ray_temp], capture_output=True, text=True,
-                              timeout=400, env=env)
-    finally:
-        shutil.rmtree(ray_temp, ignore_errors=True)
+    done = beside_verl(verl_python, "verl_import_script.py", tmp_path, switch=False, timeout=400)
     lines = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
     assert lines, done.stdout[-3000:] + done.stderr[-6000:]
     result = lines[-1]
