@@ -48,7 +48,7 @@ from raycheckpoint.protocol.checkpoint import VerifiedCheckpoint, open_verified
 from raycheckpoint.protocol.paths import rng_file
 from raycheckpoint.protocol.refs import locate
 from raycheckpoint.resume import ResumeReport, format_differences, resume_differences
-from raycheckpoint.state import restore_rng
+from raycheckpoint.state import decode_loader_state, restore_rng
 from raycheckpoint.storage import Storage, StorageSpec
 
 logger = logging.getLogger(__name__)
@@ -207,7 +207,8 @@ class CheckpointLoader:
             skipped += [f"driver rng: {s}" for s in restore_rng(ts["rng"], ck.paths.trainer_state)]
             if self.dataloader is not None:
                 if "dataloader" in ts:
-                    self.dataloader.load_state_dict(ts["dataloader"])
+                    self.dataloader.load_state_dict(
+                        decode_loader_state(ts["dataloader"], ck.paths.trainer_state))
                     report.loaded("data loader: its saved position")
                 elif strict:
                     raise IntegrityError(f"{name} has no data-loader state but this job has a "

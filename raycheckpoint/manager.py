@@ -47,7 +47,7 @@ from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol import coordinator_actor
 from raycheckpoint.roots import open_roots
 from raycheckpoint.save_handle import SaveHandle, SaveTracker
-from raycheckpoint.state import capture_rng
+from raycheckpoint.state import capture_rng, encode_loader_state
 
 __all__ = ["CheckpointManager", "LoadResult", "SaveHandle"]
 
@@ -246,7 +246,7 @@ class CheckpointManager:
         if kind == "full":
             trainer_state["rng"] = capture_rng()
             if self.dataloader is not None:
-                trainer_state["dataloader"] = self.dataloader.state_dict()
+                trainer_state["dataloader"] = encode_loader_state(self.dataloader.state_dict())
         expected = [(role, rank) for role, ws in self.groups.items() for rank in range(len(ws))]
         rpc = self.config.rpc_timeout_s
         wait_s = self.config.save_wait_timeout_s

@@ -6,7 +6,10 @@ the driver captures its own RNG and its data loader's position into
 
 Data loaders: anything with ``state_dict()`` / ``load_state_dict()`` works (torchdata's
 ``StatefulDataLoader`` included); :class:`ResumableSampler` is a dependency-free
-sampler that resumes mid-epoch at the exact next index.
+sampler that resumes mid-epoch at the exact next index.  A loader's state goes through
+:func:`encode_loader_state` / :func:`decode_loader_state`: JSON values as they are,
+tensors and numpy arrays (a shuffling sampler's generator state), tuples, bytes and
+non-string keys as tagged values; anything else is refused at save time.
 """
 
 from __future__ import annotations
@@ -38,6 +41,92 @@ def _tensor_state(t: torch.Tensor) -> str:
 
 def _state_tensor(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(_unb64(text)), dtype=torch.uint8).clone()
+
+
+# the element types a data loader's state may hold in a tensor or array
+_DTYPES = {name: getattr(torch, name) for name in (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
+    "float64")}
+_TAG = "__rc."  # tagged values: {"__rc.<kind>__": ...}; a plain dict never uses the prefix
+
+
+def encode_loader_state(obj: Any, where: str = "data loader state") -> Any:
+    """``obj`` (a data loader's ``state_dict()``) as JSON-safe values; a value of any
+    other type raises TypeError naming where it sits."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+            raise TypeError(f"{where}: a tensor of {t.dtype}, which a checkpoint does not store")
+        return {f"{_TAG}tensor__": {"dtype": str(t.dtype).removeprefix("torch."),
+                                    "shape": list(t.shape),
+                                    "data": _b64(t.reshape(-1).view(torch.uint8).numpy().tobytes())}}
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.name not in _DTYPES or obj.dtype.name == "bfloat16":
+            raise TypeError(f"{where}: an array of {obj.dtype}, which a checkpoint does not store")
+        return {f"{_TAG}ndarray__": {"dtype": obj.dtype.name, "shape": list(obj.shape),
+                                     "data": _b64(np.ascontiguousarray(obj).tobytes())}}
+    if isinstance(obj, bytes):
+        return {f"{_TAG}bytes__": _b64(obj)}
+    if isinstance(obj, tuple):
+        return {f"{_TAG}tuple__": [encode_loader_state(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [encode_loader_state(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith(_TAG) for k in obj):
+            return {k: encode_loader_state(v, f"{where}[{k!r}]") for k, v in obj.items()}
+        return {f"{_TAG}items__": [[encode_loader_state(k, f"{where} key {k!r}"),
+                                    encode_loader_state(v, f"{where}[{k!r}]")]
+                                   for k, v in obj.items()]}
+    raise TypeError(f"{where}: a {type(obj).__name__}, which a checkpoint does not store "
+                    "(it holds JSON values, tensors and arrays, never objects needing code)")
+
+
+def decode_loader_state(obj: Any, source: str) -> Any:
+    """The inverse of :func:`encode_loader_state`; a malformed value raises an
+    IntegrityError naming ``source`` (the file it came from)."""
+    try:
+        return _decode(obj)
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:
+        raise IntegrityError(f"{source}: malformed data loader state ({type(e).__name__}: "
+                             f"{e})", path=source) from None
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    tags = [k for k in obj if k.startswith(_TAG)]
+    if not tags:
+        return {k: _decode(v) for k, v in obj.items()}
+    if len(obj) != 1:
+        raise ValueError(f"a tagged value with other keys: {sorted(obj)}")
+    (tag, value), = obj.items()
+    if tag == f"{_TAG}tuple__":
+        return tuple(_decode(v) for v in value)
+    if tag == f"{_TAG}items__":
+        return {_hashable(_decode(k)): _decode(v) for k, v in value}
+    if tag == f"{_TAG}bytes__":
+        return _unb64(value)
+    if tag in (f"{_TAG}tensor__", f"{_TAG}ndarray__"):
+        dtype, shape, data = _DTYPES[value["dtype"]], [int(n) for n in value["shape"]], _unb64(value["data"])
+        count = int(np.prod(shape)) if shape else 1
+        if count * dtype.itemsize != len(data):
+            raise ValueError(f"{len(data)} bytes for shape {shape} of {value['dtype']}")
+        t = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        t = t.reshape(shape).clone()
+        return t if tag == f"{_TAG}tensor__" else t.numpy()
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, (list, dict)):
+        raise TypeError(f"a key of type {type(key).__name__}")
+    return key
 
 
 def capture_rng() -> dict[str, Any]:

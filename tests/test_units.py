@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -20,9 +21,10 @@ from raycheckpoint import (
 )
 from raycheckpoint.policy.retention import DEFAULT_KEEP_LAST_N_LIGHT, RetentionPolicy
 from raycheckpoint.protocol.checkpoint import check_version
-from raycheckpoint.protocol.format import Manifest, Marker, RoleLayout
+from raycheckpoint.protocol.format import Manifest, Marker, RoleLayout, json_bytes
 from raycheckpoint.protocol.paths import parse_step_dir, step_dir_name, validate_tag
 from raycheckpoint.resume import config_diff
+from raycheckpoint.state import decode_loader_state, encode_loader_state
 from raycheckpoint.storage import FileEntry
 
 
@@ -176,6 +178,28 @@ def test_sampler_resumes_mid_epoch():
     assert sorted(first + rest[:3]) == list(range(10))
     with pytest.raises(ValueError, match="seed"):
         ResumableSampler(10, seed=4).load_state_dict(state)
+
+
+def test_a_data_loaders_state_survives_json_with_its_tensors():
+    """A shuffling StatefulDataLoader's state holds its generator's state (a tensor):
+    trainer_state.json keeps it, and anything needing code to load is refused."""
+    gen = torch.Generator().manual_seed(7)
+    state = {"_sampler_iter_state": {"generator": gen.get_state(), "yielded": 8},
+             3: (1, b"x", None), "arr": np.arange(4, dtype=np.float32),
+             "bf": torch.ones(2, 3, dtype=torch.bfloat16), "__rc.tuple__": [1.5, True]}
+    back = decode_loader_state(json.loads(json_bytes(encode_loader_state(state))), "ts.json")
+    assert back.keys() == state.keys() and back[3] == (1, b"x", None)
+    assert back["__rc.tuple__"] == [1.5, True]
+    assert torch.equal(back["_sampler_iter_state"]["generator"], gen.get_state())
+    assert torch.equal(back["bf"], state["bf"]) and back["bf"].dtype == torch.bfloat16
+    assert np.array_equal(back["arr"], state["arr"]) and back["arr"].dtype == np.float32
+    with pytest.raises(TypeError, match=r"\['fn'\]: a function"):
+        encode_loader_state({"fn": lambda: 0})
+    forged = {"__rc.tensor__": {"dtype": "uint8", "shape": [9], "data": "AAA="}}
+    with pytest.raises(IntegrityError, match=r"ts\.json: malformed"):
+        decode_loader_state(forged, "ts.json")
+    with pytest.raises(IntegrityError, match="unknown tag"):
+        decode_loader_state({"__rc.object__": "os.system"}, "ts.json")
 
 
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread nice values here")
