@@ -110,7 +110,9 @@ def test_verls_trainer_resumes_from_the_newest_step_that_loads(verl_python, tmp_
     6's save persists, and step 4's shard is then damaged; the same command resumes from
     step 2 and trains steps 3-8 exactly as a straight (synchronous) run did, its last
     step's save committed before it ends; the legacy ``RayPPOTrainer`` then resumes that
-    from step 8 and trains steps 9-10 exactly too."""
+    from step 8 and trains steps 9-10 exactly too.  verl's ``data.pt`` files are deleted
+    before the resume: the data loader's position is committed inside the actor's
+    checkpoint."""
     from tests.helpers import flip_bit
 
     straight = _standin(verl_python, tmp_path / "a", 10)
@@ -120,6 +122,8 @@ def test_verls_trainer_resumes_from_the_newest_step_that_loads(verl_python, tmp_
     assert not (tmp_path / "b" / "latest_checkpointed_iteration.txt").exists()  # async_save
     assert (tmp_path / "b" / "global_step_6" / "data.pt").exists()  # its save never committed
     flip_bit(str(tmp_path / "b" / "raycheckpoint" / "actor" / "step_00000004" / "actor" / "__0_0.distcp"))
+    for data in (tmp_path / "b").glob("global_step_*/data.pt"):  # the position is committed
+        data.unlink()  # inside the actor's checkpoint: verl's file is not needed
 
     again = _standin(verl_python, tmp_path / "b", 8, "--async")
     log = again.stdout + again.stderr
@@ -150,7 +154,8 @@ def test_a_step_verls_own_manager_saved_is_imported_and_resumed(verl_python, tmp
     """The switch made mid-training (tests/verl_import_script.py): verl's own manager saves
     step 2 of a two-rank FSDP2 Qwen2 with tied embeddings, ``raycheckpoint import-verl``
     carries it over, and raycheckpoint's manager loads it into fresh ranks: model,
-    optimizer and scheduler equal verl's, and the next two steps give the same weights."""
+    optimizer and scheduler equal verl's, the data loader's position (verl's ``data.pt``)
+    is committed inside the checkpoint, and the next two steps give the same weights."""
     done = beside_verl(verl_python, "verl_import_script.py", tmp_path, switch=False, timeout=400)
     lines = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
     assert lines, done.stdout[-3000:] + done.stderr[-6000:]

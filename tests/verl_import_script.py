@@ -110,6 +110,17 @@ def same(a: object, b: object) -> bool:
     return a == b
 
 
+def committed_loader_state(directory: str, step: int) -> object:
+    """The data loader's state committed inside the actor's checkpoint of ``step``."""
+    from raycheckpoint.integrations.verl._root import open_step
+    from raycheckpoint.state import decode_loader_state
+    from raycheckpoint.storage import Storage
+
+    root = os.path.join(directory, "raycheckpoint", "actor")
+    ck = open_step(root, Storage(root), step, None)
+    return decode_loader_state(ck.trainer_state.get("dataloader"), ck.name)
+
+
 def main(directory: str, ray_temp: str) -> int:
     ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=ray_temp,
              logging_level="ERROR")
@@ -120,7 +131,8 @@ def main(directory: str, ray_temp: str) -> int:
     call(verl, "save_with_verl", path, 2)
     with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("2")  # what verl's trainer writes after the managers return
-    torch.save({"position": 2}, os.path.join(directory, "global_step_2", "data.pt"))
+    position = {"position": 2, "generator": torch.arange(5, dtype=torch.uint8)}  # a sampler's
+    torch.save(position, os.path.join(directory, "global_step_2", "data.pt"))
     saved = call(verl, "state")[0]
     for step in (3, 4):
         call(verl, "train", step)
@@ -140,13 +152,15 @@ def main(directory: str, ray_temp: str) -> int:
     result = {"imported": json.loads(imported.stdout),
               "model": same(loaded["model"], saved["model"]),
               "optim": same(loaded["optim"], saved["optim"]),
-              "sched": same(loaded["sched"], saved["sched"])}
+              "sched": same(loaded["sched"], saved["sched"]),
+              "data_loader": same(committed_loader_state(directory, 2), position)}
     for step in (3, 4):
         call(ours, "train", step)
     result["steps_after"] = same(call(ours, "state")[0]["model"], after)
     print(json.dumps(result), flush=True)
     ray.shutdown()
-    return 0 if all(result[k] for k in ("model", "optim", "sched", "steps_after")) else 1
+    return 0 if all(result[k] for k in ("model", "optim", "sched", "data_loader",
+                                        "steps_after")) else 1
 
 
 if __name__ == "__main__":

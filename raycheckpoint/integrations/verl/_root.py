@@ -14,6 +14,7 @@ from typing import Any
 from raycheckpoint._internal.rpc import get
 from raycheckpoint.config import CheckpointConfig
 from raycheckpoint.errors import CheckpointNotFoundError, IntegrityError, LightCheckpointError
+from raycheckpoint.integrations.verl import _handoff as handoff
 from raycheckpoint.integrity.crypto import FileCipher, check_key, load_key
 from raycheckpoint.integrity.verify import verify_files
 from raycheckpoint.loader import role_requests
@@ -85,11 +86,8 @@ class RoleRoot:
     @classmethod
     def open(cls, url: str, options: dict[str, Any], keep: int | None, role: str,
              world_size: int) -> RoleRoot:
-        settings = {k: v for k, v in options.items() if k.removeprefix("checkpoint.") != "save_dir"}
-        config = CheckpointConfig.from_dict({**settings, "save_dir": url,
-                                             "keep_last_n": keep_last_n(keep, options)})
-        cipher = (FileCipher(load_key(config.encryption_key))
-                  if config.encryption_key is not None else None)
+        config = role_config(url, options, keep)
+        cipher = role_cipher(config)
         roots = open_roots(config, cipher)
         try:
             coordinator = coordinator_actor.start(roots.commit, config, roots.lease_id("durable"))
@@ -109,6 +107,9 @@ class RoleRoot:
             "triggers": {}}
         if kind == "full":
             state["rng"] = capture_rng()  # rank 0's; every rank's own goes with its shard
+            loader = handoff.take(self.url, step, self.config.rpc_timeout_s)
+            if loader is not None:  # the trainer's data loader at this step (the actor's root)
+                state["dataloader"] = loader
         rpc = self.config.rpc_timeout_s
         return get(self.coordinator.begin.remote(
             step=step, kind=kind, tag=None, metrics={}, trainer_state=state,
@@ -187,6 +188,33 @@ class RoleRoot:
                 ray.kill(self.coordinator)
             finally:
                 roots.release()
+
+
+def role_config(url: str, options: dict[str, Any], keep: int | None = None) -> CheckpointConfig:
+    """The configuration of the role root at ``url``: the options, with ``save_dir`` the
+    root and verl's ``max_ckpt_to_keep`` (``keep``) as its retention."""
+    settings = {k: v for k, v in options.items() if k.removeprefix("checkpoint.") != "save_dir"}
+    return CheckpointConfig.from_dict({**settings, "save_dir": url,
+                                       "keep_last_n": keep_last_n(keep, options)})
+
+
+def role_cipher(config: CheckpointConfig) -> FileCipher | None:
+    return FileCipher(load_key(config.encryption_key)) if config.encryption_key is not None else None
+
+
+def open_step(url: str, storage: Any, step: int, cipher: FileCipher | None) -> Any:
+    """The newest committed checkpoint of ``step`` in the root at ``url`` whose metadata
+    verifies (a ``VerifiedCheckpoint``); CheckpointNotFoundError when there is none."""
+    def attempt(name: str, tier: Tier) -> Any:
+        ck = open_verified(storage, name)
+        check_key(ck.manifest.encryption, cipher, name)
+        return ck
+
+    ck = first_that_opens(resume_candidates([Tier(storage)], step), attempt)
+    if ck is None:
+        raise CheckpointNotFoundError(f"{url} holds no committed checkpoint of step {step}",
+                                      ref=str(step))
+    return ck
 
 
 def keep_last_n(max_ckpt_to_keep: int | None, options: dict[str, Any]) -> int | None:

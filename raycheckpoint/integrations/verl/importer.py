@@ -15,8 +15,11 @@ saved through the drop-in manager at world size 1, as step ``N`` of the role's r
   ``max_exp_avg_sq``, ``step``); any other is refused;
 * the LR scheduler's state as verl saved it, and verl's rank-0 RNG as the checkpoint's.
 
-verl's ``data.pt`` and ``latest_checkpointed_iteration.txt`` stay where they are: the
-switch's resume finds step ``N`` committed with its ``data.pt``.  A job at ``W`` ranks
+* with the actor, the data loader's state from verl's ``data.pt`` (read without running
+  code), committed inside the checkpoint as the switch's own saves do.
+
+verl's files stay where they are: the switch's resume finds step ``N`` committed, with
+its data loader's position.  A job at ``W`` ranks
 reshards the checkpoint; per-rank RNG beyond rank 0's is not carried (a load at another
 world size skips per-rank RNG).  The command starts its own one-rank process group and
 local Ray instance unless the process has them.
@@ -35,9 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raycheckpoint.integrations.verl import _handoff as handoff
 from raycheckpoint.integrations.verl.checkpoint_files import VerlCheckpointError, VerlRole, read_role
 from raycheckpoint.integrations.verl.manager import FSDPCheckpointManager, read_options
 from raycheckpoint.integrations.verl.trainer import TRACKER
+from raycheckpoint.state import encode_loader_state
 
 ADAM_STATE = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
 
@@ -83,6 +88,14 @@ def _import_role(path: str, step: int, options: dict[str, Any]) -> dict[str, Any
         _set_rng(role.rank_rng[0])
     manager = FSDPCheckpointManager(model=holder, optimizer=optimizer, lr_scheduler=scheduler,
                                     options=options)
+    data = os.path.join(os.path.dirname(path), "data.pt")
+    if os.path.basename(path) == "actor" and os.path.exists(data):
+        try:
+            loader = torch.load(data, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - a pickle asking for code, or damage
+            raise VerlCheckpointError(f"{data}: not loadable without running code or damaged "
+                                      f"({type(e).__name__}: {str(e)[:300]})") from None
+        handoff.publish(manager.root_url(path), step, encode_loader_state(loader))
     try:
         manager.save_checkpoint(path, global_step=step)
         root = manager.root_url(path)

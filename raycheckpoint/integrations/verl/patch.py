@@ -64,7 +64,8 @@ def _trainer(cls_name: str, function: str) -> Callable[[ModuleType], None]:
         if getattr(save, "_raycheckpoint", False):
             return
 
-        def _save_checkpoint(self: Any) -> None:  # verl's, then the last step's commits
+        def _save_checkpoint(self: Any) -> None:  # the loader's state, verl's, the last commits
+            trainer.before_save(self)
             save(self)
             trainer.after_save(self)
 

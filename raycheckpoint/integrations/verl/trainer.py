@@ -9,17 +9,23 @@ the file asks.  :func:`load_checkpoint` replaces that method
 (:mod:`~raycheckpoint.integrations.verl.patch` installs it):
 
 * ``resume_mode=auto``: the steps whose every role (``actor``, and ``critic`` where the
-  job has one) has a committed full checkpoint in its raycheckpoint root and whose
-  ``global_step_<N>/data.pt`` exists, newest first; a step whose load fails
-  verification is passed over with a warning and the next one is tried.  The tracker
-  is not read.  A directory that holds only checkpoints of verl's own manager is
-  refused, not silently trained over from scratch;
+  job has one) has a committed full checkpoint in its raycheckpoint root, newest first;
+  a step whose load fails verification, or that has no data-loader state, is passed
+  over with a warning and the next one is tried.  The tracker is not read.  A
+  directory that holds only checkpoints of verl's own manager is refused, not silently
+  trained over from scratch;
 * ``resume_mode=resume_path``: that step; its errors are raised;
 * ``disable``: nothing, as in verl.
 
-``data.pt`` is read with ``torch.load(weights_only=True)``; a file that needs code is
-refused, naming it.  The rest is verl's: ``global_steps``, the legacy trainer's
-data-loader skip at an epoch boundary, v1's TransferQueue restore in its async modes.
+The data loader's state is committed inside the actor's checkpoint: :func:`before_save`
+hands it to the actor role's rank 0 before verl's ``_save_checkpoint`` saves the roles
+(:mod:`._handoff`), and the resume reads it from there, verified with the rest.  Only a
+checkpoint without it (one carried over by ``raycheckpoint import-verl`` from a verl
+whose ``data.pt`` was missing, or saved by the manager without the switch's trainer)
+falls back to verl's ``data.pt``, read with ``torch.load(weights_only=True)``; a file
+that needs code is refused, naming it.  The rest is verl's: ``global_steps``, the legacy
+trainer's data-loader skip at an epoch boundary, v1's TransferQueue restore in its
+async modes.
 
 Under verl's ``async_save`` the managers return after the host copy (:mod:`.manager`);
 :func:`after_save` runs after verl's ``_save_checkpoint`` and, at the last training
@@ -35,8 +41,11 @@ from typing import Any
 
 from raycheckpoint._internal.rpc import unwrap
 from raycheckpoint.errors import CheckpointSaveError, IntegrityError
+from raycheckpoint.integrations.verl import _handoff as handoff
+from raycheckpoint.integrations.verl._root import open_step, role_cipher, role_config
 from raycheckpoint.integrations.verl.manager import absolute, read_options, role_root
 from raycheckpoint.protocol import catalog
+from raycheckpoint.state import decode_loader_state, encode_loader_state
 from raycheckpoint.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -44,10 +53,8 @@ logger = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def committed_steps(base: str, roles: list[str], options: dict[str, Any], *,
-                    data_loader: bool = True) -> list[int]:
-    """Steps with a committed full checkpoint of every role (and a ``data.pt`` where
-    ``data_loader``), newest first."""
+def committed_steps(base: str, roles: list[str], options: dict[str, Any]) -> list[int]:
+    """Steps with a committed full checkpoint of every role, newest first."""
     steps: set[int] | None = None
     for role in roles:
         _, storage = _role_storage(base, role, options)
@@ -57,10 +64,7 @@ def committed_steps(base: str, roles: list[str], options: dict[str, Any], *,
             markers = []
         full = {m.step for m in markers if m.kind == "full"}
         steps = full if steps is None else steps & full
-    found = sorted(steps or (), reverse=True)
-    if data_loader:
-        found = [s for s in found if os.path.exists(step_folder(base, s, "data.pt"))]
-    return found
+    return sorted(steps or (), reverse=True)
 
 
 def step_folder(base: str, step: int, *rest: str) -> str:
@@ -108,14 +112,14 @@ def _load(self: Any, *, legacy: bool) -> int:
         folder = absolute(path)
         step = int(folder.rstrip("/").split("global_step_")[-1])
         base = os.path.dirname(folder.rstrip("/"))
-        _load_step(self, base, step, roles, legacy)
+        _load_step(self, base, step, roles, legacy, options, strict=False)
         return step
     if mode != "auto":
         raise ValueError(f"unknown trainer.resume_mode {mode!r} (auto, resume_path or disable)")
-    candidates = committed_steps(base, roles, options, data_loader=hasattr(self, "train_dataloader"))
+    candidates = committed_steps(base, roles, options)
     for step in candidates:
         try:
-            _load_step(self, base, step, roles, legacy)
+            _load_step(self, base, step, roles, legacy, options, strict=True)
             return step
         except Exception as e:  # only damage moves on to the next step; the rest is raised
             cause = unwrap(e)
@@ -138,12 +142,15 @@ def _load(self: Any, *, legacy: bool) -> int:
     return 0
 
 
-def _load_step(self: Any, base: str, step: int, roles: list[str], legacy: bool) -> None:
+def _load_step(self: Any, base: str, step: int, roles: list[str], legacy: bool,
+               options: dict[str, Any], *, strict: bool) -> None:
     """Load every role's checkpoint of ``step``, then the data loader (and v1's
-    TransferQueue), as verl's ``_load_checkpoint`` does."""
-    import torch
-
+    TransferQueue), as verl's ``_load_checkpoint`` does.  ``strict``: a step without
+    data-loader state raises an IntegrityError (``auto`` passes it over); otherwise the
+    loader starts afresh, with verl's warning."""
     folder = step_folder(base, step)
+    loader = getattr(self, "train_dataloader", None)
+    state = None if loader is None else _loader_state(base, step, options, strict=strict)
     print(f"Resuming from {folder}", flush=True)
     drop = self.config.trainer.get("del_local_ckpt_after_load", False)
     self.actor_rollout_wg.load_checkpoint(local_path=os.path.join(folder, "actor"),
@@ -152,22 +159,12 @@ def _load_step(self: Any, base: str, step: int, roles: list[str], legacy: bool) 
         self.critic_wg.load_checkpoint(local_path=os.path.join(folder, "critic"),
                                        del_local_after_load=drop)
     self.global_steps = step
-    data = os.path.join(folder, "data.pt")
-    loader = getattr(self, "train_dataloader", None)
-    if loader is not None and os.path.exists(data):
-        per_epoch = len(loader) if legacy else 0
-        if per_epoch > 0 and step % per_epoch == 0:  # the legacy trainer's rule, kept
-            print(f"Skipping dataloader state restore: global_steps={step} is at an epoch "
-                  f"boundary (steps_per_epoch={per_epoch})", flush=True)
-        else:
-            try:
-                state = torch.load(data, weights_only=True)
-            except Exception as e:  # noqa: BLE001 - a pickle asking for code, or damage
-                raise IntegrityError(f"{data}: not loadable without running code or damaged "
-                                     f"({type(e).__name__}: {str(e)[:300]})", path=data) from None
-            loader.load_state_dict(state)
-    elif loader is not None:
-        logger.warning("no dataloader state at %s, will start from scratch", data)
+    per_epoch = len(loader) if legacy and loader is not None else 0
+    if state is not None and per_epoch > 0 and step % per_epoch == 0:  # the legacy rule, kept
+        print(f"Skipping dataloader state restore: global_steps={step} is at an epoch "
+              f"boundary (steps_per_epoch={per_epoch})", flush=True)
+    elif state is not None:
+        loader.load_state_dict(state)
     if getattr(self, "trainer_mode", "sync") != "sync":
         tq_path = os.path.join(folder, "transfer_queue")
         if os.path.exists(tq_path):
@@ -176,6 +173,41 @@ def _load_step(self: Any, base: str, step: int, roles: list[str], legacy: bool) 
 
             tq.load_checkpoint(tq_path)
             self._restored_tq_prompt_count = _count_tq_prompt_groups()
+
+
+def _loader_state(base: str, step: int, options: dict[str, Any], *, strict: bool) -> Any:
+    """The data loader's state at ``step``: from the actor's committed checkpoint
+    (verified), else from verl's ``data.pt`` (without running code); None (with verl's
+    warning) or, where ``strict``, an IntegrityError when neither has it."""
+    import torch
+
+    url, storage = _role_storage(base, "actor", options)
+    ck = open_step(url, storage, step, role_cipher(role_config(url, options)))
+    if "dataloader" in ck.trainer_state:
+        return decode_loader_state(ck.trainer_state["dataloader"], f"{url}/{ck.paths.trainer_state}")
+    data = step_folder(base, step, "data.pt")
+    if not os.path.exists(data):
+        if strict:
+            raise IntegrityError(f"global_step_{step}: no data loader state: {url}/{ck.name} "
+                                 f"holds none and {data} is missing", path=data)
+        logger.warning("no dataloader state at %s, will start from scratch", data)
+        return None
+    try:
+        return torch.load(data, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a pickle asking for code, or damage
+        raise IntegrityError(f"{data}: not loadable without running code or damaged "
+                             f"({type(e).__name__}: {str(e)[:300]})", path=data) from None
+
+
+def before_save(self: Any) -> None:
+    """Before verl's ``_save_checkpoint``: hand the data loader's state at this step to
+    the actor role's rank 0, which commits it inside the actor's checkpoint."""
+    loader = getattr(self, "train_dataloader", None)
+    if loader is None:
+        return
+    options = read_options()
+    url = role_root(absolute(self.config.trainer.default_local_dir), "actor", options)
+    handoff.publish(url, self.global_steps, encode_loader_state(loader.state_dict()))
 
 
 def _async_save(self: Any) -> bool:
