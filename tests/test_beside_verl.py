@@ -106,9 +106,10 @@ def _standin(verl_python, root, steps: int, *extra: str) -> subprocess.Completed
 def test_verls_trainer_resumes_from_the_newest_step_that_loads(verl_python, tmp_path):
     """verl's own ``_save_checkpoint`` and its ``_load_checkpoint`` as the switch replaces
     it, on a stand-in trainer (tests/verl_trainer_standin.py).  With verl's ``async_save``
-    (saves return after the host copy; verl writes no tracker) a job is killed while step
-    6's save persists, and step 4's shard is then damaged; the same command resumes from
-    step 2 and trains steps 3-8 exactly as a straight (synchronous) run did, its last
+    (saves return after the host copy; verl writes no tracker) a job with an actor and a
+    critic is killed while step 6's save persists, and the critic's shard of step 4 is
+    then damaged; the same command resumes both roles from step 2 and trains steps 3-8
+    exactly as a straight (synchronous) run did, its last
     step's save committed before it ends; the legacy ``RayPPOTrainer`` then resumes that
     from step 8 and trains steps 9-10 exactly too.  verl's ``data.pt`` files are deleted
     before the resume: the data loader's position is committed inside the actor's
@@ -121,7 +122,7 @@ def test_verls_trainer_resumes_from_the_newest_step_that_loads(verl_python, tmp_
     assert killed.returncode == -9, killed.stdout[-3000:] + killed.stderr[-6000:]
     assert not (tmp_path / "b" / "latest_checkpointed_iteration.txt").exists()  # async_save
     assert (tmp_path / "b" / "global_step_6" / "data.pt").exists()  # its save never committed
-    flip_bit(str(tmp_path / "b" / "raycheckpoint" / "actor" / "step_00000004" / "actor" / "__0_0.distcp"))
+    flip_bit(str(tmp_path / "b" / "raycheckpoint" / "critic" / "step_00000004" / "critic" / "__0_0.distcp"))
     for data in (tmp_path / "b").glob("global_step_*/data.pt"):  # the position is committed
         data.unlink()  # inside the actor's checkpoint: verl's file is not needed
 
@@ -140,14 +141,16 @@ def test_verls_trainer_resumes_from_the_newest_step_that_loads(verl_python, tmp_
     a = {r["step"]: r for r in steps("a")}
     b = steps("b")
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert a[1]["critic"] != a[1]["weights"]  # two roles, two states
     for r in b:  # the same batch and, bit for bit, the same weights at every step
         assert r == a[r["step"]], (r, a[r["step"]])
     # retention (max_actor_ckpt_to_keep=1, kept +1) across the four runs
     from raycheckpoint.admin import list_root
     from raycheckpoint.storage import Storage
 
-    rows = list_root(Storage(str(tmp_path / "b" / "raycheckpoint" / "actor")))["checkpoints"]
-    assert [r["step"] for r in rows if r["state"] == "committed"] == [8, 10], rows
+    for role in ("actor", "critic"):
+        rows = list_root(Storage(str(tmp_path / "b" / "raycheckpoint" / role)))["checkpoints"]
+        assert [r["step"] for r in rows if r["state"] == "committed"] == [8, 10], (role, rows)
 
 
 def test_a_step_verls_own_manager_saved_is_imported_and_resumed(verl_python, tmp_path):

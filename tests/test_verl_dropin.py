@@ -160,3 +160,34 @@ def test_a_role_saved_to_s3_through_the_options_resumes_bit_for_bit(ray_session,
     for r in range(2):
         assert_same(loaded[r]["model"], saved[r]["model"])
         assert_same(loaded[r]["optim"], saved[r]["optim"])
+
+
+def test_the_data_loaders_state_is_committed_encrypted_and_data_pt_is_not_trusted(
+        ray_session, tmp_path):
+    """The trainer's data-loader state handed to the actor's rank 0 is committed (and
+    read back) inside an encrypted checkpoint; a step without it is refused rather than
+    resumed from verl's ``data.pt``, which no key authenticates."""
+    from raycheckpoint.errors import IntegrityError
+    from raycheckpoint.integrations.verl import _handoff as handoff
+    from raycheckpoint.integrations.verl.manager import role_root
+    from raycheckpoint.integrations.verl.trainer import _loader_state
+    from raycheckpoint.state import encode_loader_state
+
+    key = tmp_path / "key"
+    key.write_bytes(bytes(range(32)))
+    options = {"encryption_key": f"file:{key}"}
+    base = tmp_path / "ckpts"
+    position = {"samples_yielded": 8, "generator": torch.Generator().manual_seed(3).get_state()}
+    handoff.publish(role_root(str(base), "actor", options), 2, encode_loader_state(position))
+    a = group(2, options=options)
+    try:
+        call(a, "save", path(base, 2), 2)
+        call(a, "save", path(base, 4), 4)  # nothing published for step 4
+    finally:
+        end(a)
+    for step in (2, 4):
+        torch.save({"samples_yielded": 99}, base / f"global_step_{step}" / "data.pt")
+    loaded = _loader_state(str(base), 2, options, strict=True)
+    assert loaded["samples_yielded"] == 8 and torch.equal(loaded["generator"], position["generator"])
+    with pytest.raises(IntegrityError, match=r"data\.pt is not authenticated"):
+        _loader_state(str(base), 4, options, strict=True)

@@ -31,7 +31,8 @@ def build_model() -> torch.nn.Module:
 class DropinRank:
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str,
                  master_port: int, timeout_s: float, contents: list[str] | None = None,
-                 options: dict[str, Any] | None = None, async_save: bool = False) -> None:
+                 options: dict[str, Any] | None = None, async_save: bool = False,
+                 seed: int = 0) -> None:
         from raycheckpoint.integrations.verl import FSDPCheckpointManager
 
         init_process_group(rank=rank, world_size=world_size, master_addr=master_addr,
@@ -52,7 +53,7 @@ class DropinRank:
         self.manager = FSDPCheckpointManager(model=self.model, optimizer=self.optim,
                                              lr_scheduler=self.sched, processing_class=None,
                                              checkpoint_config=config or None, options=options)
-        torch.manual_seed(1000 + rank)  # each rank's own stream, as verl's ranks have
+        torch.manual_seed(1000 + seed + rank)  # each rank's own stream, as verl's ranks have
 
     def ready(self) -> bool:
         return True

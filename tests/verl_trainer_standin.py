@@ -7,14 +7,15 @@ own (a run that kills itself ends its process group)::
     verl_trainer_standin.py ROOT RAY_TEMP STEPS [--kill-in-save-of N] [--legacy] [--async]
 
 The stand-in holds what verl's v1 ``PPOTrainer._save_checkpoint`` and ``_load_checkpoint``
-read (``config``, ``global_steps``, ``actor_rollout_wg``, ``use_critic``,
+read (``config``, ``global_steps``, ``actor_rollout_wg``, ``use_critic``, ``critic_wg``,
 ``train_dataloader``, ``checkpoint_callback``, ``trainer_mode``); the methods are verl's
-own (``_load_checkpoint`` as the patch replaced it).  The actor is two gloo ranks (Ray
-actors) with raycheckpoint's verl manager; its worker group makes verl's blocking
-ONE_TO_ALL calls.  Each step takes the next batch of a ``StatefulDataLoader`` and one
-optimizer step per rank; a save every 2 steps (``trainer.save_freq``), keeping
-``max_actor_ckpt_to_keep=1``.  Appends ``{"step", "batch", "weights"}`` per step to
-``ROOT/steps.jsonl``, and prints ``resumed <N>`` after the load.
+own (``_load_checkpoint`` as the patch replaced it).  The actor and the critic are two
+gloo ranks each (Ray actors, their own seeds) with raycheckpoint's verl manager; their
+worker groups make verl's blocking ONE_TO_ALL calls.  Each step takes the next batch of
+a ``StatefulDataLoader`` and one optimizer step per rank; a save every 2 steps
+(``trainer.save_freq``), keeping ``max_actor_ckpt_to_keep=max_critic_ckpt_to_keep=1``.
+Appends ``{"step", "batch", "weights", "critic"}`` per step to ``ROOT/steps.jsonl``, and
+prints ``resumed <N>`` after the load.
 ``--kill-in-save-of N``: the ranks' persist hangs in step N's save, and the process
 group is SIGKILLed 3 s into it (the job dies while that save persists).  ``--legacy``:
 the methods of verl's legacy ``RayPPOTrainer`` instead of v1's.  ``--async``: verl's
@@ -59,7 +60,7 @@ class WorkerGroup:
 class StandIn:
     """The attributes verl's trainer methods read."""
 
-    def __init__(self, root: str, ranks: list, steps: int, async_save: bool) -> None:
+    def __init__(self, root: str, ranks: list, critics: list, steps: int, async_save: bool) -> None:
         from verl.trainer.ppo.checkpoint_callback import build_checkpoint_callback
 
         self.config = OmegaConf.create({
@@ -70,9 +71,10 @@ class StandIn:
             "actor_rollout_ref": {"actor": {"checkpoint": {"async_save": async_save}}}})
         self.global_steps = 0
         self.total_training_steps = steps
-        self.use_critic = False
+        self.use_critic = True
         self.trainer_mode = "sync"
         self.actor_rollout_wg = WorkerGroup(ranks)
+        self.critic_wg = WorkerGroup(critics)
         gen = torch.Generator().manual_seed(7)
         self.train_dataloader = StatefulDataLoader(list(range(40)), batch_size=4, shuffle=True,
                                                    generator=gen)
@@ -100,7 +102,9 @@ def main(root: str, ray_temp: str, steps: int, kill_in: int | None, legacy: bool
 
     ranks = create_worker_group(DropinRank, role="actor", world_size=2, timeout_s=TIMEOUT_S,
                                 async_save=async_save)
-    trainer = StandIn(root, ranks, steps, async_save)
+    critics = create_worker_group(DropinRank, role="critic", world_size=2, timeout_s=TIMEOUT_S,
+                                  async_save=async_save, seed=100)
+    trainer = StandIn(root, ranks, critics, steps, async_save)
     PPOTrainer._load_checkpoint(trainer)
     print(f"resumed {trainer.global_steps}", flush=True)
     batches = iter(trainer.train_dataloader)
@@ -109,17 +113,19 @@ def main(root: str, ray_temp: str, steps: int, kill_in: int | None, legacy: bool
         for step in range(trainer.global_steps + 1, steps + 1):
             trainer.global_steps = step
             batch = [int(x) for x in next(batches)]
-            ray.get([r.train.remote(1) for r in ranks], timeout=TIMEOUT_S)
+            ray.get([r.train.remote(1) for r in ranks + critics], timeout=TIMEOUT_S)
             weights = ray.get([r.state.remote() for r in ranks], timeout=TIMEOUT_S)[0]["weights"]
-            log.write(json.dumps({"step": step, "batch": batch, "weights": weights}) + "\n")
+            critic = ray.get([r.state.remote() for r in critics], timeout=TIMEOUT_S)[0]["weights"]
+            log.write(json.dumps({"step": step, "batch": batch, "weights": weights,
+                                  "critic": critic}) + "\n")
             log.flush()
             if step % 2 == 0:
                 if step == kill_in:
-                    ray.get([r.arm.remote("worker.persist", "hang:600") for r in ranks],
+                    ray.get([r.arm.remote("worker.persist", "hang:600") for r in ranks + critics],
                             timeout=TIMEOUT_S)
                     kill_group_after(3.0)
                 PPOTrainer._save_checkpoint(trainer)
-    ray.get([r.close.remote() for r in ranks], timeout=TIMEOUT_S)
+    ray.get([r.close.remote() for r in ranks + critics], timeout=TIMEOUT_S)
     ray.shutdown()
 
 

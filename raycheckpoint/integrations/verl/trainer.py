@@ -20,12 +20,12 @@ the file asks.  :func:`load_checkpoint` replaces that method
 The data loader's state is committed inside the actor's checkpoint: :func:`before_save`
 hands it to the actor role's rank 0 before verl's ``_save_checkpoint`` saves the roles
 (:mod:`._handoff`), and the resume reads it from there, verified with the rest.  Only a
-checkpoint without it (one carried over by ``raycheckpoint import-verl`` from a verl
-whose ``data.pt`` was missing, or saved by the manager without the switch's trainer)
-falls back to verl's ``data.pt``, read with ``torch.load(weights_only=True)``; a file
-that needs code is refused, naming it.  The rest is verl's: ``global_steps``, the legacy
-trainer's data-loader skip at an epoch boundary, v1's TransferQueue restore in its
-async modes.
+checkpoint without it (saved by the manager without the switch's trainer) falls back to
+verl's ``data.pt``, read with ``torch.load(weights_only=True)``; a file that needs code
+is refused, naming it, and with an encrypted root (where ``data.pt`` is not
+authenticated) the step is refused instead.  The rest is verl's: ``global_steps``, the
+legacy trainer's data-loader skip at an epoch boundary, v1's TransferQueue restore in
+its async modes.
 
 Under verl's ``async_save`` the managers return after the host copy (:mod:`.manager`);
 :func:`after_save` runs after verl's ``_save_checkpoint`` and, at the last training
@@ -186,6 +186,10 @@ def _loader_state(base: str, step: int, options: dict[str, Any], *, strict: bool
     if "dataloader" in ck.trainer_state:
         return decode_loader_state(ck.trainer_state["dataloader"], f"{url}/{ck.paths.trainer_state}")
     data = step_folder(base, step, "data.pt")
+    if ck.manifest.encryption:  # verl's data.pt is not authenticated: never beside a key
+        raise IntegrityError(f"global_step_{step}: {url}/{ck.name} is encrypted and holds no "
+                             f"data loader state; {data} is not authenticated by the key, so "
+                             "it is not read", path=f"{url}/{ck.name}")
     if not os.path.exists(data):
         if strict:
             raise IntegrityError(f"global_step_{step}: no data loader state: {url}/{ck.name} "
