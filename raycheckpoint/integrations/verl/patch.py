@@ -1,5 +1,6 @@
 """Switch verl to raycheckpoint's checkpoint manager (and its trainers to raycheckpoint's
-resume, :mod:`.trainer`): importing this module does it.
+resume, their data loader's state into the committed checkpoint, :mod:`.trainer`):
+importing this module does it.
 
 verl 0.9 builds its FSDP checkpoint manager inside each worker's engine, from a name
 bound at import (``verl/workers/engine/fsdp/transformer_impl.py``), so the switch must
@@ -75,9 +76,9 @@ def _trainer(cls_name: str, function: str) -> Callable[[ModuleType], None]:
     return patch
 
 
-# verl's trainers, patched when (and if) a process imports them: their resume
-# (raycheckpoint.integrations.verl.trainer); importing them here would load verl's whole
-# trainer stack into every worker
+# verl's trainers, patched when (and if) a process imports them: their resume and the
+# save's data-loader hand-off (raycheckpoint.integrations.verl.trainer); importing them
+# here would load verl's whole trainer stack into every worker
 TRAINERS: dict[str, Callable[[ModuleType], None]] = {
     "verl.trainer.ppo.v1.trainer_base": _trainer("PPOTrainer", "load_checkpoint"),
     "verl.trainer.ppo.ray_trainer": _trainer("RayPPOTrainer", "load_checkpoint_legacy"),
