@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-import mmap
 import os
 import time
 from typing import Any
 
-import fsspec
 import ray
 import torch
 import torch.distributed as dist
@@ -40,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from raycheckpoint.storage.direct_io import DIRECT_ALIGN, O_DIRECT
+from bench._limits import Limits, _fs
 from raycheckpoint.worker import (
     CheckpointableWorker,
     StateDictCache,
@@ -104,11 +102,6 @@ def digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def _fs(url: str, options: dict[str, Any]) -> tuple[Any, str, bool]:
-    fs, path = fsspec.core.url_to_fs(url, **options)
-    return fs, path, fs.protocol in ("file", ("file", "local"))
-
-
 def drop_page_cache(path: str) -> None:
     """Evict ``path``'s files from the page cache, so a load reads the disk (local only)."""
     for dirpath, _, names in os.walk(path):
@@ -124,7 +117,7 @@ def drop_page_cache(path: str) -> None:
                 os.close(fd)
 
 
-class _BenchRank(CheckpointableWorker):
+class _BenchRank(Limits, CheckpointableWorker):
     def __init__(self, *, role: str, rank: int, world_size: int, master_addr: str,
                  master_port: int, timeout_s: float = 600.0, d: int, n_layers: int = N_LAYERS,
                  vocab: int = VOCAB, storage_options: dict[str, Any] | None = None,
@@ -163,9 +156,6 @@ class _BenchRank(CheckpointableWorker):
         self.train_step(1, 8)  # AdamW state exists and is not zero
         self._stager = None
         self._bg = None
-        self._copy_buffers: list[torch.Tensor] | None = None
-        self._raw: mmap.mmap | None = None
-        self._raw_bytes = 0
 
     def ready(self) -> dict[str, Any]:
         return {"rank": self.rank, "bytes": self.state_bytes(),
@@ -219,119 +209,6 @@ class _BenchRank(CheckpointableWorker):
 
     def ckpt_load_state_dict(self, state: dict[str, Any], kind: str) -> None:
         self._state_dicts.load_state_dict(state)  # what a worker would use
-
-    # ---- the machine's limits --------------------------------------------------------------
-
-    def _tensors(self) -> list[torch.Tensor]:
-        return [t for _, t in sorted(local_tensors(self.state()).items())]
-
-    @torch.no_grad()  # a bare copy: no autograd bookkeeping for parameters that need grad
-    def host_copy(self, fresh: bool = False) -> float:
-        """Copy this rank's state into preallocated (or, with ``fresh``, new) host memory.
-
-        On the CPU one ``torch._foreach_copy_`` for every tensor (a Python loop of
-        ``copy_`` costs ~1 µs a tensor more, which the saves no longer pay); on a GPU
-        device-to-host into pinned buffers, one stream, waited for at the end.
-        """
-        src = self._tensors()
-        cuda = self.device.type == "cuda"
-        if fresh:
-            dist.barrier()
-            t0 = time.perf_counter()
-            copies = [torch.empty_like(t, device="cpu").copy_(t) for t in src]
-            elapsed = time.perf_counter() - t0
-            del copies
-            return elapsed
-        if self._copy_buffers is None:  # allocated and touched
-            self._copy_buffers = [torch.zeros_like(t, device="cpu", pin_memory=cuda) for t in src]
-        dist.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if cuda:
-            for buf, t in zip(self._copy_buffers, src, strict=True):
-                buf.copy_(t, non_blocking=True)
-            torch.cuda.synchronize()
-        else:  # one call for every tensor, as raycheckpoint's own host copy makes it
-            torch._foreach_copy_(self._copy_buffers, src)
-        return time.perf_counter() - t0
-
-    def _raw_aligned(self) -> memoryview:
-        """This rank's bytes in page-aligned memory, zero-padded to a whole page (what an
-        ``O_DIRECT`` write needs; the buffered write and the read use the same memory)."""
-        if self._raw is None:
-            local = [t.reshape(-1).view(torch.uint8) for t in self._tensors()]
-            self._raw_bytes = sum(t.numel() for t in local)
-            self._raw = mmap.mmap(-1, -(-self._raw_bytes // DIRECT_ALIGN) * DIRECT_ALIGN)
-            flat = torch.frombuffer(self._raw, dtype=torch.uint8)
-            at = 0
-            for t in local:
-                flat[at:at + t.numel()].copy_(t)
-                at += t.numel()
-            del flat
-        return memoryview(self._raw)
-
-    def _raw_buffer(self) -> memoryview:
-        return self._raw_aligned()[:self._raw_bytes]
-
-    def free_limit_buffers(self, keep_copy: bool = False) -> None:
-        """Drop the limits' buffers (a copy of this rank's state each) once measured;
-        ``keep_copy``: all but the host copy's, measured again beside the saves."""
-        self._raw = None
-        if not keep_copy:
-            self._copy_buffers = None
-
-    def raw_write(self, url: str, chunk: int = 8 << 20, direct: bool = False) -> float | None:
-        """Sequential write of this rank's bytes to one file (fsync on local disk).
-
-        ``direct``: with ``O_DIRECT`` from page-aligned memory (local disk only; None
-        elsewhere, or where the filesystem refuses it), the tail padded to a page and the
-        file truncated to the length, as raycheckpoint writes its data files."""
-        data = self._raw_buffer()
-        fs, path, local = _fs(f"{url}/raw_{self.rank}.bin", self.options)
-        fs.makedirs(os.path.dirname(path), exist_ok=True)
-        if direct and (not local or not O_DIRECT):
-            return None
-        aligned = self._raw_aligned()
-        dist.barrier()
-        t0 = time.perf_counter()
-        if direct:
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o644)
-            except OSError:
-                return None
-            try:
-                for i in range(0, aligned.nbytes, chunk):
-                    os.write(fd, aligned[i:i + chunk])
-                os.ftruncate(fd, data.nbytes)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        elif local:
-            with open(path, "wb") as f:
-                for i in range(0, data.nbytes, chunk):
-                    f.write(data[i:i + chunk])
-                f.flush()
-                os.fsync(f.fileno())
-        else:
-            with fs.open(path, "wb") as f:
-                for i in range(0, data.nbytes, chunk):
-                    f.write(data[i:i + chunk])
-        return time.perf_counter() - t0
-
-    def raw_read(self, url: str, chunk: int = 8 << 20) -> float:
-        data = self._raw_buffer()
-        fs, path, local = _fs(f"{url}/raw_{self.rank}.bin", self.options)
-        dist.barrier()
-        t0 = time.perf_counter()
-        with (open(path, "rb", buffering=0) if local else fs.open(path, "rb")) as f:
-            pos = 0
-            while pos < data.nbytes:
-                n = f.readinto(data[pos:pos + chunk])
-                if not n:
-                    raise EOFError(f"{path}: {pos} of {data.nbytes} bytes")
-                pos += n
-        return time.perf_counter() - t0
 
     # ---- the other methods --------------------------------------------------------------------
 

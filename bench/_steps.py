@@ -1,0 +1,137 @@
+"""What a point of :mod:`bench.save_latency` measures after its rounds of saves and loads:
+training steps beside a background persist (:func:`step_overhead`), and every method's
+last checkpoint loaded into fewer ranks (:func:`reshard_loads`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import ray
+
+from bench._harness import (
+    TIMEOUT_S,
+    BenchStorage,
+    Where,
+    _cleaned_up,
+    _group,
+    _kill,
+    _manager,
+    _max,
+    _median,
+    _rotated,
+    _settle,
+)
+from bench._ranks import RESHARDS
+from raycheckpoint import CheckpointManager
+
+
+def _perturb(group: list[Any]) -> None:
+    ray.get([w.perturb.remote() for w in group], timeout=TIMEOUT_S)
+
+
+def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchStorage,
+                  batch: int, seq: int, saves: int = 5) -> dict[str, Any]:
+    """A training step alone, and while a background persist runs: raycheckpoint's, and
+    (side by side) DCP ``async_save``'s with a kept stager.  Each save follows a step
+    alone, so the steps alone and beside a persist face the machine as it is then (it is
+    shared: measured in blocks, five steps alone before the saves and five after, the two
+    sides drifted apart by more than the effect).
+
+    Then the same saves with ``overlap_copy``: training is blocked for the snapshot call
+    plus what the next optimizer step waits for the copy (``overlap_stall_s``), and that
+    first step (its forward/backward beside the copy) is timed against a step alone.
+    """
+    def step() -> float:
+        return _max([w.train_step.remote(batch, seq) for w in group])
+
+    def copy_waits() -> list[float]:
+        return [s["copy_wait_s"] for s in
+                ray.get([w.ckpt_status.remote() for w in group], timeout=TIMEOUT_S)]
+
+    step()  # warms up
+    alone: list[float] = []
+    during: list[float] = []
+    first_after_save: list[float] = []  # the step right after a save, beside its persist
+    during_dcp: list[float] = []
+    overlap_stall: list[float] = []
+    overlap_first_step: list[float] = []
+    for i in range(saves):
+        alone.append(step())
+        manager.update(step=manager.global_step + 1)
+        handle = manager.save_checkpoint()
+        while not handle.done():
+            during.append(step())
+            if len(first_after_save) <= i:
+                first_after_save.append(during[-1])
+        handle.wait(TIMEOUT_S)
+        _cleaned_up(manager)
+        url = storage.url(f"dcp_async_stager/steps{i}")
+        alone.append(step())
+        ray.get([w.start_async.remote(url) for w in group], timeout=TIMEOUT_S)
+        while not all(ray.get([w.async_done.remote() for w in group], timeout=TIMEOUT_S)):
+            during_dcp.append(step())
+        ray.get([w.wait_async.remote() for w in group], timeout=TIMEOUT_S)
+        storage.remove(f"dcp_async_stager/steps{i}")
+    plain = manager.config
+    manager.config = dataclasses.replace(plain, overlap_copy=True)  # read at each save
+    try:
+        for _ in range(saves):
+            manager.update(step=manager.global_step + 1)
+            before = copy_waits()
+            handle = manager.save_checkpoint()
+            overlap_first_step.append(step())
+            waited = max(b - a for a, b in zip(before, copy_waits(), strict=True))
+            overlap_stall.append(handle.stall_s + waited)
+            handle.wait(TIMEOUT_S)
+            _cleaned_up(manager)
+    finally:
+        manager.config = plain
+    a, b, c = _median(alone), _median(during), _median(during_dcp)
+    f = _median(overlap_first_step)
+    return {"step_s": a, "step_during_persist_s": b, "steps_during_persist": len(during),
+            "slowdown": (b / a - 1) if a and b else None,
+            "step_during_dcp_async_s": c, "dcp_async_slowdown": (c / a - 1) if a and c else None,
+            "first_step_after_save_s": _median(first_after_save),
+            "overlap_stall_s": _median(overlap_stall), "overlap_first_step_s": f,
+            "overlap_first_step_slowdown": (f / a - 1) if a and f else None,
+            "batch": batch, "seq": seq}
+
+
+def reshard_loads(ranks: int, d: int, storage: BenchStorage, methods: tuple[str, ...],
+                  ray_name: str | None, urls: dict[str, str], full_digest: str, *,
+                  repeat: int = 1, where: Where = Where(),
+                  log=print) -> dict[str, list[float]]:
+    """Each method's last checkpoint loaded into ``ranks`` ranks, ``repeat`` times.
+
+    The methods take turns in rounds (the first one rotating, as for the saves); every
+    load starts from perturbed state, a settled disk and evicted files, and is checked
+    against the saved state.
+    """
+    group, placement = _group(ranks, d, storage, where)
+    out: dict[str, list[float]] = {m: [] for m in methods if RESHARDS[m]}
+    manager = _manager(storage, group)
+    try:
+        for rnd in range(repeat):
+            for method in (m for m in _rotated(methods, rnd) if m in out):
+                _perturb(group)
+                _settle(group, storage)
+                storage.drop_cache(method)
+                t0 = time.perf_counter()
+                if method == "raycheckpoint":
+                    manager.load_checkpoint(ray_name)
+                    out[method].append(time.perf_counter() - t0)
+                else:
+                    out[method].append(_max([w.load.remote(method, urls[method]) for w in group]))
+                got = ray.get([w.full_digest.remote() for w in group], timeout=TIMEOUT_S)[0]
+                if got != full_digest:
+                    raise RuntimeError(f"{method}: the resharded load into {ranks} ranks did not "
+                                       "restore the saved state")
+            log(f"   reshard load -> {ranks} ranks, round {rnd + 1}: " + ", ".join(
+                f"{m} {v[-1]:.3f} s" for m, v in out.items()))
+    finally:
+        manager.close(TIMEOUT_S)
+        _kill(group, placement)
+    return out
