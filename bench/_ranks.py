@@ -1,12 +1,15 @@
-"""BenchRank: one FSDP2 rank holding model + AdamW state of a chosen size, saved six ways.
+"""BenchRank: one FSDP2 rank holding model + AdamW state of a chosen size, saved seven ways.
 
 Every method saves the same in-memory state of the same rank, so the methods differ
 only in how they save it:
 
 * ``raycheckpoint``: through the :class:`~raycheckpoint.worker.CheckpointableWorker`
   hooks (the driver runs the :class:`~raycheckpoint.CheckpointManager`);
-* ``verl_sync``: each rank ``torch.save``s its shard (model and optimizer files, as verl's
-  FSDP checkpoint manager does), then a barrier;
+* ``verl``: verl's own ``FSDPCheckpointManager`` (``save_checkpoint`` / ``load_checkpoint``;
+  needs verl, installed in ``.venv-verl``: see :mod:`bench._verl`), and the same save
+  followed by the fsync it skips;
+* ``verl_sync``: an imitation of verl's save for environments without verl: each rank
+  ``torch.save``s its model and optimizer shards, then a barrier;
 * ``rank0_gather``: gather the full state dict to rank 0, which ``torch.save``s it;
 * ``dcp_sync``: ``torch.distributed.checkpoint.save``;
 * ``dcp_async``: ``async_save`` in thread mode (a new default stager per save);
@@ -47,9 +50,10 @@ from raycheckpoint.worker import (
 )
 from workers.group import init_process_group
 
-METHODS = ("raycheckpoint", "verl_sync", "rank0_gather", "dcp_sync", "dcp_async", "dcp_async_stager")
+METHODS = ("raycheckpoint", "verl", "verl_sync", "rank0_gather", "dcp_sync", "dcp_async",
+           "dcp_async_stager")
 # which methods can load a checkpoint into a different number of ranks
-RESHARDS = {"raycheckpoint": True, "verl_sync": False, "rank0_gather": True, "dcp_sync": True,
+RESHARDS = {"raycheckpoint": True, "verl": False, "verl_sync": False, "rank0_gather": True, "dcp_sync": True,
             "dcp_async": True, "dcp_async_stager": True}
 N_LAYERS = 16
 VOCAB = 4096
@@ -156,6 +160,7 @@ class _BenchRank(Limits, CheckpointableWorker):
         self.train_step(1, 8)  # AdamW state exists and is not zero
         self._stager = None
         self._bg = None
+        self._verl_manager = None
 
     def ready(self) -> dict[str, Any]:
         return {"rank": self.rank, "bytes": self.state_bytes(),
@@ -247,8 +252,18 @@ class _BenchRank(Limits, CheckpointableWorker):
                 use_non_blocking_copy=cuda))
         return self._stager
 
-    def save(self, method: str, url: str) -> dict[str, float]:
+    def _verl(self) -> Any:
+        """verl's own checkpoint manager around this rank's model and optimizer, built once."""
+        if self._verl_manager is None:
+            from bench._verl import VerlManager
+
+            self._verl_manager = VerlManager(self.net, self.optim)
+        return self._verl_manager
+
+    def save(self, method: str, url: str, step: int = 0) -> dict[str, Any]:
         """Save with ``method``: ``stall_s`` (until training may go on) and ``durable_s``."""
+        if method == "verl":
+            return self._verl().save(_fs(url, self.options)[1], step)
         dist.barrier()
         t0 = time.perf_counter()
         r, ws = self.rank, self.world_size
@@ -285,7 +300,9 @@ class _BenchRank(Limits, CheckpointableWorker):
         dist.barrier()
         t0 = time.perf_counter()
         r, ws = self.rank, self.world_size
-        if method == "verl_sync":
+        if method == "verl":
+            self._verl().load(_fs(url, self.options)[1])
+        elif method == "verl_sync":
             model = self._torch_load(f"{url}/model_world_size_{ws}_rank_{r}.pt")
             optim = self._torch_load(f"{url}/optim_world_size_{ws}_rank_{r}.pt")
             set_model_state_dict(self.net, model)

@@ -6,6 +6,8 @@
     python -m bench.save_latency --ranks 2 --bytes-per-rank 64MB --storage moto://   # local S3
     python -m bench.save_latency --virtual-ranks 8,64,256 --storage /tmp/bench
     python -m bench.save_latency --ranks 2 --bytes-per-rank 256MB --host-buffer-bytes 64MB,256MB
+    # against verl's own FSDPCheckpointManager, with the Python that has verl (scripts/verl_env.sh):
+    PYTHONPATH=. .venv-verl/bin/python -m bench.save_latency --methods raycheckpoint,verl --ranks 2
     # on a Ray cluster (ray up cluster.yaml), one GPU per rank, state on the GPUs:
     ray job submit --working-dir . -- python -m bench.save_latency --ranks 256 \\
         --bytes-per-rank 1GB --device cuda --storage s3://BUCKET/bench --out /tmp/bench
@@ -29,11 +31,13 @@ Times are the maximum over ranks; each figure is the median over ``--repeat`` ro
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import time
 from typing import Any
 
+import fsspec
 import ray
 
 from bench._harness import (
@@ -55,6 +59,7 @@ from bench._harness import (
 )
 from bench._ranks import METHODS, RESHARDS, model_dims
 from bench._steps import _perturb, reshard_loads, step_overhead
+from bench._verl import HINT, require_verl, verl_version
 from bench.host_buffer import budget_stalls
 from bench.report import _fmt, _pct, plot, table, targets
 from drivers._ray import init_ray
@@ -134,6 +139,7 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
         copies_beside: list[float] = []  # the host copy, measured before each of our saves
         last_url: dict[str, str] = {}  # method -> its newest checkpoint (the reshard source)
         ray_name = None
+        written: dict[str, list[str]] = {}  # method -> the files its last save wrote (verl)
         for rnd in range(repeat + 1):  # round 0 warms up and is not counted
             for method in _rotated(methods, rnd):
                 url = storage.url(f"{method}/r{rnd}")
@@ -154,8 +160,12 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
                     ray_name = handle.name
                     _cleaned_up(manager)
                 else:
-                    per_rank = ray.get([w.save.remote(method, url) for w in group], timeout=TIMEOUT_S)
-                    saved = {k: max(r[k] for r in per_rank) for k in ("stall_s", "durable_s")}
+                    per_rank = ray.get([w.save.remote(method, url, rnd + 1) for w in group],
+                                       timeout=TIMEOUT_S)
+                    saved = {k: max(r[k] for r in per_rank) for k, v in per_rank[0].items()
+                             if isinstance(v, float)}
+                    if "files" in per_rank[0]:  # verl's: what its real manager wrote
+                        written[method] = sorted({f for r in per_rank for f in r["files"]})
                 _perturb(group)
                 _settle(group, storage)
                 storage.drop_cache(method)
@@ -173,7 +183,7 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
                 if rnd == 0:
                     continue
                 for k, v in saved.items():
-                    samples[method][k].append(v)
+                    samples[method].setdefault(k, []).append(v)
                 samples[method]["load_s"].append(load_s)
             if rnd:
                 log("   round " + str(rnd) + ": " + ", ".join(
@@ -207,6 +217,12 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
         reshard_s = reshard_loads(ranks // 2, d, storage, methods, ray_name, last_url, full_digest,
                                   repeat=repeat, where=where, log=log)
     result["limits"] = limits
+    verl_info = {}
+    if "verl" in methods:
+        from bench._verl import MANAGER, verl_version
+
+        verl_info = {"verl_version": verl_version(), "manager": MANAGER}
+        result["config"]["verl_version"] = verl_info["verl_version"]
     result["methods"] = {}
     for m in methods:
         s = samples[m]
@@ -217,6 +233,11 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
                "spread": {k: _spread(v) for k, v in s.items() if v}}
         if s["stall_worker_s"]:
             row["stall_worker_s"] = _median(s["stall_worker_s"])
+        for k in ("returned_s", "fsync_s"):  # verl's: its save returned; the fsync it skips
+            if s.get(k):
+                row[k] = _median(s[k])
+        if m == "verl":
+            row.update(files=written.get(m, []), **verl_info)
         row["durable_gb_s"] = state_bytes / row["durable_s"] / 1e9
         row["load_gb_s"] = state_bytes / row["load_s"] / 1e9
         if not RESHARDS[m]:
@@ -257,6 +278,23 @@ def _resources(text: str) -> dict[str, float]:
     return {k: float(v) for k, v in res.items()}
 
 
+def _local_uri(uri: str | None) -> bool:
+    """Whether ``--storage`` is a directory on this machine (no server started to tell)."""
+    if uri is None:
+        return True
+    return fsspec.utils.infer_storage_options(uri)["protocol"] in ("file", "local")
+
+
+def default_methods(local: bool) -> tuple[str, ...]:
+    """Every method; against verl, its own manager where verl is importable and the
+    storage local, else ``verl_sync``, the imitation (said on stdout)."""
+    if local and verl_version() is not None:
+        return tuple(m for m in METHODS if m != "verl_sync")
+    print("note: verl's own manager cannot run here (verl not importable, or storage not "
+          "local): verl_sync imitates its save; " + HINT, flush=True)
+    return tuple(m for m in METHODS if m != "verl")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -268,8 +306,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "moto:// starts a local S3 server for the run")
     p.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--repeat", type=int, default=3, help="counted rounds per point (after a warm-up)")
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma list of methods (default: all of {', '.join(METHODS)})")
+    p.add_argument("--methods", default=None,
+                   help=f"comma list of methods, of {', '.join(METHODS)} (default: all, with "
+                        "verl's own manager where verl is importable and --storage is local, "
+                        "else verl_sync, its imitation)")
     p.add_argument("--no-reshard", action="store_true", help="skip the R -> R/2 loads")
     p.add_argument("--step-batch", type=int, default=4)
     p.add_argument("--step-seq", type=int, default=64)
@@ -302,10 +342,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from bench.tiers import main_tiers
 
         return main_tiers(args, p)
-    methods = tuple(m.strip() for m in args.methods.split(","))
+    local = _local_uri(args.storage)
+    if args.methods is None:
+        methods = default_methods(local)
+    else:
+        methods = tuple(m.strip() for m in args.methods.split(","))
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    if "verl" in methods:
+        print(f"verl {require_verl(local)}: its own FSDPCheckpointManager", flush=True)
     resources = args.worker_resources
     if resources is None and args.device == "cuda":
         resources = {"GPU": 1}
@@ -335,9 +381,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "results.json"), "w") as f:
                 json.dump(results, f, indent=1)
-            if not args.virtual_ranks:
+            # .venv-verl (verl's own manager) has no matplotlib: results.json, and no plot
+            drawn = not args.virtual_ranks and importlib.util.find_spec("matplotlib") is not None
+            if drawn:
                 plot(results["points"], os.path.join(args.out, "plot.png"))
-            print(f"wrote {args.out}/results.json" + ("" if args.virtual_ranks else " and plot.png"))
+            print(f"wrote {args.out}/results.json" + (" and plot.png" if drawn else ""))
         return results
     finally:
         storage.close()
