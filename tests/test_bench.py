@@ -27,7 +27,8 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.mark.long
 def test_save_latency_bench_runs_every_method_and_writes_results(ray_session, tmp_path):
     pytest.importorskip("matplotlib")
-    from bench.save_latency import METHODS, main
+    from bench._ranks import RESHARDS
+    from bench.save_latency import default_methods, main
 
     out = tmp_path / "out"
     results = main(["--ranks", "2", "--bytes-per-rank", "2MB", "--repeat", "1",
@@ -35,12 +36,13 @@ def test_save_latency_bench_runs_every_method_and_writes_results(ray_session, tm
                     "--out", str(out)])
     saved = json.loads((out / "results.json").read_text())
     assert saved["config"]["ranks"] == 2 and saved["config"]["bytes_per_rank"] > 1_000_000
-    assert set(saved["methods"]) == set(METHODS)
+    methods = default_methods(local=True)  # verl's own manager where verl is, else verl_sync
+    assert set(saved["methods"]) == set(methods) and len(methods) == len(RESHARDS) - 1
     for name, row in saved["methods"].items():
         for key in ("stall_s", "durable_s", "load_s"):
             assert row[key] > 0, (name, key)
         assert row["stall_s"] <= row["durable_s"] + 1e-6, name
-        if name == "verl_sync":  # per-rank torch.save files cannot be resharded
+        if not RESHARDS[name]:  # verl's per-rank torch.save files cannot be resharded
             assert row["reshard_load_s"] is None and "reshard_note" in row
         else:
             assert row["reshard_load_s"] > 0, name
@@ -61,7 +63,7 @@ def test_save_latency_bench_runs_every_method_and_writes_results(ray_session, tm
     from bench.report import markdown
 
     tables = markdown([saved])
-    assert all(f"| {m} |" in tables for m in METHODS) and "| overlap_stall_over_host_copy |" in tables
+    assert all(f"| {m} |" in tables for m in methods) and "| overlap_stall_over_host_copy |" in tables
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert results["points"][0]["config"] == saved["config"]
     # everything it wrote is gone
@@ -216,6 +218,41 @@ def test_stalls_are_compared_with_the_host_copy_measured_beside_them():
     assert "| *limit: host copy* | 0.200 |" in markdown([point])
     del point["limits"]["host_copy_beside_s"]
     assert targets(point)["stall_over_host_copy"] == pytest.approx(2.5)
+
+
+def test_verls_own_manager_is_judged_first_and_shown_with_and_without_the_fsync():
+    """Where verl's real manager ran (``verl``), the targets compare with it, not with the
+    imitation, and the tables give its save as is and followed by the fsync it skips."""
+    from bench.report import markdown, targets
+
+    row = {"load_s": 1.0, "reshard_load_s": None, "bytes": 2 * 10**9, "durable_gb_s": 1.0}
+    point = {"config": {"ranks": 2, "bytes_per_rank": 10**9, "bytes": 2 * 10**9,
+                        "tensors_per_rank": 788, "storage": "local", "repeat": 2,
+                        "verl_version": "0.9.1"},
+             "limits": {"host_copy_s": 0.1, "host_copy_fresh_s": 1.0, "raw_write_fsync_s": 1.0,
+                        "raw_read_s": 1.0},
+             "methods": {"raycheckpoint": {**row, "stall_s": 0.2, "durable_s": 1.2},
+                         "verl": {**row, "stall_s": 2.0, "returned_s": 2.0, "durable_s": 3.0},
+                         "verl_sync": {**row, "stall_s": 9.0, "durable_s": 9.0}}}
+    got = targets(point)
+    assert got["verl_method"] == "verl" and got["verl_stall_ratio"] == pytest.approx(10)
+    assert got["durable_over_verl"] == pytest.approx(0.6)
+    assert got["durable_over_verl_fsync"] == pytest.approx(0.4)
+    tables = markdown([point])
+    assert "verl 0.9.1 (its own FSDPCheckpointManager)" in tables
+    assert "| verl | 2.000 | 2.000 | 1.000 |" in tables  # durable as verl has it: returned
+    assert "| verl + fsync | 3.000 | 3.000 | 1.000 |" in tables  # synchronous: blocks too
+
+
+def test_the_real_verl_method_without_verl_fails_at_once_naming_its_environment():
+    """``--methods verl`` in a Python without verl exits before anything starts."""
+    from bench._verl import verl_version
+    from bench.save_latency import main
+
+    if verl_version() is not None:
+        pytest.skip("verl is importable here")
+    with pytest.raises(SystemExit, match=r"\.venv-verl.*scripts/verl_env\.sh"):
+        main(["--methods", "raycheckpoint,verl", "--ranks", "2"])
 
 
 def test_the_projection_never_calibrates_a_method_below_the_machines_limit():
