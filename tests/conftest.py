@@ -161,6 +161,18 @@ def local_root(tmp_path):
     return str(tmp_path / "ckpts")
 
 
+@pytest.fixture(scope="session")
+def verl_python():
+    """The Python of ``.venv-verl`` (verl 0.9.1 beside this package), built by
+    ``scripts/verl_env.sh``; the tests that need it skip without it."""
+    from pathlib import Path
+
+    py = Path(__file__).resolve().parent.parent / ".venv-verl" / "bin" / "python"
+    if not py.exists():
+        pytest.skip("no .venv-verl: build it with `bash scripts/verl_env.sh` (needs the package index)")
+    return py
+
+
 def pytest_terminal_summary(terminalreporter):
     """Print what the tests measured (crash matrix, soak figures) into the log."""
     from tests.helpers import REPORTS

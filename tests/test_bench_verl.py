@@ -21,16 +21,7 @@ import pytest
 pytestmark = [pytest.mark.long, pytest.mark.verl, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = ROOT / ".venv-verl"
 VERL = os.environ.get("VERL_VERSION", "0.9.1")
-
-
-@pytest.fixture(scope="module")
-def verl_python() -> Path:
-    py = ENV / "bin" / "python"
-    if not py.exists():
-        pytest.skip(f"no {ENV.name}: build it with `bash scripts/verl_env.sh` (needs the package index)")
-    return py
 
 
 def test_the_bench_runs_verls_own_manager_beside_raycheckpoint(verl_python, tmp_path):

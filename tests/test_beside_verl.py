@@ -22,7 +22,6 @@ import pytest
 pytestmark = [pytest.mark.long, pytest.mark.verl, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = ROOT / ".venv-verl"
 VERL = os.environ.get("VERL_VERSION", "0.9.1")
 
 
@@ -54,14 +53,6 @@ def beside_verl(verl_python: Path, script: str, target: Path, *rest: str, switch
                               timeout=timeout, env=env, **kwargs)
     finally:
         shutil.rmtree(ray_temp, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def verl_python() -> Path:
-    py = ENV / "bin" / "python"
-    if not py.exists():
-        pytest.skip(f"no {ENV.name}: build it with `bash scripts/verl_env.sh` (needs the package index)")
-    return py
 
 
 def test_the_environment_beside_verl_keeps_verls_pins(verl_python):
