@@ -35,14 +35,17 @@ MANAGER = "verl.utils.checkpoint.fsdp_checkpoint_manager.FSDPCheckpointManager"
 
 
 def verl_version() -> str | None:
-    """verl's version where it is importable, else None."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import verl
-    except ImportError:
+    """verl's installed version where this Python can import it, else None; found
+    without importing verl, whose import loads its engines into this process."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is None:
         return None
-    return verl.__version__
+    try:
+        return importlib.metadata.version("verl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def require_verl(local_storage: bool) -> str:
