@@ -5,6 +5,14 @@ verl 0.9.1's real manager on the same two FSDP2 ranks (a few MB each), with the 
 of ``.venv-verl`` (``bash scripts/verl_env.sh``), this tree's source first on its path
 and a Ray temporary directory of its own.  The bench itself checks that each load
 restores exactly the state that was saved.
+
+Run by hand (``RAYCHECKPOINT_BENCH_VERL=1 pytest -m long tests/test_bench_verl.py``), not
+by CI: in CI's long session a SIGTERM reached the session's process group during or
+right after this test, in both of two runs (the test failed once, pytest was ended the
+other time), and in none of thirteen runs outside CI (four of them in pytest).  The
+bench's local Ray is the likely sender (Ray's process reaper signals its whole process
+group when it outlives its driver); until that is understood the bench runs in a session
+of its own here.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.long, pytest.mark.verl, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.long, pytest.mark.verl, pytest.mark.timeout(300),
+              pytest.mark.skipif(os.environ.get("RAYCHECKPOINT_BENCH_VERL") != "1",
+                                 reason="run by hand: RAYCHECKPOINT_BENCH_VERL=1 (see the module doc)")]
 
 ROOT = Path(__file__).resolve().parent.parent
 VERL = os.environ.get("VERL_VERSION", "0.9.1")
@@ -35,7 +45,8 @@ def test_the_bench_runs_verls_own_manager_beside_raycheckpoint(verl_python, tmp_
              "--ranks", "2", "--bytes-per-rank", "3MB", "--repeat", "1", "--no-reshard",
              "--step-batch", "1", "--step-seq", "8", "--storage", str(tmp_path / "store"),
              "--out", str(out)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+            start_new_session=True)
     finally:
         shutil.rmtree(ray_temp, ignore_errors=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
