@@ -69,6 +69,9 @@ DEFAULTS: dict[str, Any] = {
     "trainer.placement_strategy": "PACK",       # PACK | SPREAD | STRICT_SPREAD (ranks on distinct nodes)
     "trainer.metrics_file": None,               # default: <default_local_dir>/metrics.jsonl
     "trainer.storage_options": None,            # JSON dict of fsspec options (e.g. endpoint_url)
+    "trainer.save_with_step": True,             # a save due at a step rides on its update:
+                                                # each rank snapshots right after it (false:
+                                                # between steps, after the step's last call)
     "trainer.crash_at_step": None,              # testing aid: SIGKILL the driver after this step
     "trainer.step_delay_s": 0.0,                # testing aid: sleep after each step
 }

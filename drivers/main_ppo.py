@@ -226,9 +226,14 @@ class Trainer:
         rule = [x for s in scored for x in s["rule"]]
         return batch, rewards, rule
 
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self, step: int) -> dict[str, Any]:
         o = self.opts
         rows = [self.rows[i] for i in self.sampler.next_batch(self.batch_size)]
+        # a save due at this step rides on it: begun now (the data drawn), each rank
+        # snapshots right after its update, before the driver's next call reaches it
+        ride = (self.manager.step_save(step, epoch=self.sampler.epoch,
+                                       is_last=step == self.total_steps)
+                if o["trainer.save_with_step"] else None)
         batch, rewards, rule = self.rollout_and_score(rows)
         ref_lp = torch.cat(ray.get(per_rank(self.groups["reference"], "logprobs", batch), timeout=RPC))
         mask = batch["response_mask"]
@@ -242,11 +247,14 @@ class Trainer:
             out["value_loss"] = sum(c["value_loss"] for c in crit) / len(crit)
         else:
             adv = algos.grpo_advantages(rewards, self.n, mask)
-        upd = ray.get(per_rank(self.groups["actor"], "update", batch,
-                               {"advantages": adv, "ref_logprobs": ref_lp},
-                               clip=o["actor_rollout_ref.actor.clip_ratio"],
-                               kl_coef=o["actor_rollout_ref.actor.kl_loss_coef"]
-                               if o["actor_rollout_ref.actor.use_kl_loss"] else 0.0), timeout=RPC)
+        upd = per_rank(self.groups["actor"], "update", batch,
+                       {"advantages": adv, "ref_logprobs": ref_lp},
+                       clip=o["actor_rollout_ref.actor.clip_ratio"],
+                       kl_coef=o["actor_rollout_ref.actor.kl_loss_coef"]
+                       if o["actor_rollout_ref.actor.use_kl_loss"] else 0.0)
+        if ride is not None:
+            ride.snapshot()  # queued behind the update on each actor rank
+        upd = ray.get(upd, timeout=RPC)
         self.sync_rollout()
         out.update(loss=sum(u["loss"] for u in upd) / len(upd), kl=sum(u["kl"] for u in upd) / len(upd),
                    reward=float(rewards.mean()), rule_reward=sum(rule) / len(rule), lr=upd[0]["lr"])
@@ -299,7 +307,7 @@ class Trainer:
         total = self.total_steps
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
-            out = self.train_step()
+            out = self.train_step(step)
             # the manager saves what the config asks for: requests from outside, triggers,
             # and on SIGTERM an emergency full save, committed before should_stop turns True
             self.manager.step(step, epoch=self.sampler.epoch, is_last=step == total,

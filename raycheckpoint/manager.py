@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 import warnings
 from typing import Any
 
@@ -36,18 +35,15 @@ import ray
 
 from raycheckpoint import verifier
 from raycheckpoint._internal.rpc import get as _get
-from raycheckpoint._internal.save_round import fail_staged, settle
-from raycheckpoint.autosave import StepSaver
+from raycheckpoint._internal.save_round import SaveRound
+from raycheckpoint.autosave import StepSave, StepSaver
 from raycheckpoint.config import CheckpointConfig
-from raycheckpoint.errors import CheckpointSaveError
 from raycheckpoint.integrity.crypto import FileCipher, load_key
 from raycheckpoint.loader import CheckpointLoader, LoadResult
 from raycheckpoint.metrics import CheckpointMetrics
-from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol import coordinator_actor
 from raycheckpoint.roots import open_roots
 from raycheckpoint.save_handle import SaveHandle, SaveTracker
-from raycheckpoint.state import capture_rng, encode_loader_state
 
 __all__ = ["CheckpointManager", "LoadResult", "SaveHandle"]
 
@@ -232,84 +228,28 @@ class CheckpointManager:
         ``replicate_every`` says (tagged checkpoints always are)."""
         if kind not in ("full", "light"):
             raise ValueError(f"kind must be 'full' or 'light', got {kind!r}")
+        riding = self._stepper.riding
+        if riding is not None:  # its commit waits for step(); this save's begin, for it
+            raise RuntimeError(f"save_checkpoint: the save begun with step {riding.step} "
+                               "(step_save) is completed by step() first")
         self._saves.poll()
         step = self.global_step if step is None else step
         metrics = dict(self.metrics if metrics is None else metrics)
-        t0 = time.perf_counter()
-        self._stepper.triggers.saved()  # save_every_minutes counts from any save
-        trainer_state: dict[str, Any] = {
-            "epoch": self.epoch, "config_fingerprint": self.fingerprint,
-            "world_sizes": self.world_sizes, "saved_at": time.time(),
-            # the job's retention rules, so `raycheckpoint gc` can apply them without the job
-            "retention": RetentionPolicy.from_config(self.config).retention_rules(),
-            "triggers": self._stepper.triggers.state_dict()}
-        if kind == "full":
-            trainer_state["rng"] = capture_rng()
-            if self.dataloader is not None:
-                trainer_state["dataloader"] = encode_loader_state(self.dataloader.state_dict())
-        expected = [(role, rank) for role, ws in self.groups.items() for rank in range(len(ws))]
-        rpc = self.config.rpc_timeout_s
-        wait_s = self.config.save_wait_timeout_s
-        begin_ref = self._coordinator.begin.remote(
-            step=step, kind=kind, tag=tag, metrics=metrics, trainer_state=trainer_state,
-            expected=expected, world_sizes=self.world_sizes, frozen=self._identities,
-            replicate=replicate)
-        # a trainable role is never reused: its workers copy while `begin` runs, and read its
-        # answer (the reference, in a list, is not resolved before the call) once copied
-        early = [(f"{role}/{rank}", w) for role, ws in self.groups.items()
-                 if role not in self.frozen_roles for rank, w in enumerate(ws)]
-        snap_refs = [w.ckpt_snapshot_begun.remote([begin_ref], kind, wait_s,
-                                                  self.config.overlap_copy, wait_s + rpc)
-                     for _, w in early]
-        try:
-            begun = _get(begin_ref, wait_s + rpc)
-        except Exception as e:
-            settle(snap_refs, wait_s + rpc)  # each drops its copy: nothing was named
-            if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, PermissionError)):
-                # storage failed (after its retries) before any worker wrote
-                return self._saves.failed_before_start(step, kind, time.perf_counter() - t0, e)
-            raise  # the root is gone or not ours to write: not a failure of this one save
-        if "existing" in begun:
-            settle(snap_refs, wait_s + rpc)
-            e = begun["existing"]
-            return SaveHandle(self._record, save_id=None, name=e["name"], step=e["step"], kind=e["kind"],
-                              stall_s=time.perf_counter() - t0, worker_stall_s=0.0,
-                              existing={**e, "existing": True})
-        save_id, name = begun["save_id"], begun["name"]
-        late = [(f"{role}/{rank}", w) for role in self.frozen_roles if role not in begun["reused"]
-                for rank, w in enumerate(self.groups[role])]
-        snap_refs += [w.ckpt_snapshot_begun.remote(begun, kind, wait_s, self.config.overlap_copy)
-                      for _, w in late]
-        writers = early + late
-        try:  # the workers report to the coordinator they were set up with
-            snaps = _get(snap_refs, wait_s + rpc)
-        except BaseException as e:
-            fail_staged(self._coordinator, save_id, name, kind, writers,
-                        f"snapshot failed: {type(e).__name__}: {e}", wait_s)
-            raise CheckpointSaveError(f"snapshot for {name} failed: {type(e).__name__}: {e}",
-                                      failures={"snapshot": repr(e)}) from e
-        # a rank that could not read `begin`'s answer (its wait for it failed, where the
-        # driver's did not) staged nothing: it joins the save only to fail it
-        lost = {who: s["dropped"] for (who, _), s in zip(writers, snaps, strict=True)
-                if s.get("dropped")}
-        if lost:
-            reason = "; ".join(f"{who}: {why}" for who, why in lost.items())
-            fail_staged(self._coordinator, save_id, name, kind, writers,
-                        f"snapshot failed: {reason}", wait_s, refusing=lost)
-            raise CheckpointSaveError(f"snapshot for {name} failed: {reason}", failures=lost)
-        # every rank answered before any persist thread competes for its GIL; sent from
-        # here, so each start is queued ahead of the driver's next call to that worker (the
-        # next training step); not waited for: a failed persist reports to the coordinator,
-        # and a start that never arrives happens at the worker's next snapshot, load or wait
-        for _, w in writers:
-            w.ckpt_start_persist.remote(save_id)
-        finished = self._coordinator.await_save.remote(save_id)
-        handle = SaveHandle(self._record, save_id=save_id, name=name, step=step, kind=kind,
-                            stall_s=time.perf_counter() - t0,
-                            worker_stall_s=max((s["stall_s"] for s in snaps), default=0.0),
-                            finished=finished, snapshots=snaps)
-        self._saves.handles.append(handle)
+        handle = SaveRound(self, step=step, kind=kind, tag=tag, metrics=metrics,
+                           replicate=replicate).finish()
+        if handle.save_id is not None:
+            self._saves.handles.append(handle)
         return handle
+
+    def step_save(self, step: int, *, epoch: int | None = None,
+                  is_last: bool = False) -> StepSave | None:
+        """The save the triggers ask of ``step`` by its number or the clock (intervals,
+        minutes, train end), begun now, to ride on the step's training calls: None when
+        none is due.  Call it once the step has drawn its data, and call ``snapshot()``
+        on the answer right after sending the step's last training calls (each worker
+        snapshots as soon as those end, before anything sent later); ``step()`` then
+        completes it.  See :class:`~raycheckpoint.autosave.StepSave`."""
+        return self._stepper.begin_step(step, epoch=epoch, is_last=is_last)
 
     def wait_for_saves(self, timeout: float | None = None) -> None:
         """Wait for every save in flight; raise the first failure not yet observed."""

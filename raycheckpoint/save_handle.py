@@ -33,11 +33,14 @@ class SaveHandle:
 
     def __init__(self, record: Recorder, *, save_id: str | None, name: str, step: int,
                  kind: str, stall_s: float, worker_stall_s: float, existing: dict | None = None,
-                 finished: ray.ObjectRef | None = None, snapshots: list[dict] | None = None):
+                 finished: ray.ObjectRef | None = None, snapshots: list[dict] | None = None,
+                 breakdown: dict[str, Any] | None = None):
         self._record = record
         self.save_id, self.name, self.step, self.kind = save_id, name, step, kind
         self.stall_s, self.worker_stall_s = stall_s, worker_stall_s
         self.host = host_figures(snapshots or [])
+        # where the blocked time went, ms (raycheckpoint/_internal/breakdown.py)
+        self.breakdown = dict(breakdown or {})
         self.tag: str | None = None
         self.reason = ""  # why it was saved (set by CheckpointManager.step)
         self._result: dict[str, Any] | None = existing
@@ -132,6 +135,8 @@ class SaveTracker:
         if handle.reason:
             entry["reason"] = handle.reason
         entry.update(handle.host)
+        if handle.breakdown:
+            entry["breakdown_ms"] = handle.breakdown
         if result is not None:
             total = result.get("total_s") or 0.0
             entry.update(bytes=result.get("bytes", 0), persist_s=result.get("persist_s"),

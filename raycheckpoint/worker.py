@@ -226,24 +226,31 @@ class CheckpointableWorker:
     def _snapshot(self, kind: str, target: SaveTarget, wait_timeout_s: float, overlap: bool, *,
                   start: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
+        marks = {"received": time.time()}  # when each phase ended: the save's breakdown
         saver = self._saver()
         saver.wait_previous(wait_timeout_s)  # the host buffers are reused: never overwrite a
-        try:                                 # copy that is still being written
+        marks["previous"] = time.time()      # copy that is still being written
+        try:
             with torch.no_grad():
                 state = self.ckpt_state_dict(kind)
+            marks["state_dict"] = time.time()
             extra = None
             if kind == "full":
                 extra = {"rng": capture_rng(), "state": self.ckpt_extra_state()}
             assets = self.ckpt_assets() if self.ckpt_rank == 0 else None
+            marks["extra"] = time.time()
         except BaseException as e:  # the peers persisting this save must not wait for it
             saver.refuse(kind, e, target)
             raise
         overlap = overlap and bool(self._ckpt_guards)
         out = saver.snapshot(Snapshot(kind, state, extra, assets or {}), target,
-                             wait_timeout_s=wait_timeout_s, start=start, overlap=overlap)
+                             wait_timeout_s=wait_timeout_s, start=start, overlap=overlap,
+                             marks=marks)
         out["overlap"] = overlap
         out["copy_s"] = out["stall_s"]
         out["stall_s"] = time.perf_counter() - t0  # with building the state dict
+        marks["answered"] = time.time()
+        out["marks"] = marks
         return out
 
     def ckpt_refuse(self, save_id: str, name: str, kind: str, reason: str,

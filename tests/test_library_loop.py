@@ -4,13 +4,16 @@ verifies every file it accepts and says what it skipped."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
+import torch
 
 from raycheckpoint import (
     CheckpointConfig,
@@ -22,7 +25,7 @@ from raycheckpoint import (
 )
 from raycheckpoint._internal import faults
 from raycheckpoint.protocol import catalog
-from tests.helpers import RPC_TIMEOUT, flip_bit, manager, train
+from tests.helpers import RPC_TIMEOUT, assert_same, flip_bit, full_state, manager, train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -257,3 +260,53 @@ def test_strict_refusals_and_what_a_partial_load_skips(group2, wider, tmp_path, 
 def test_unknown_option_names_the_closest_keys():
     with pytest.raises(ValueError, match=r"'keep_best' \(did you mean keep_best_n"):
         CheckpointConfig.from_dict({"save_dir": "/x", "keep_best": 3})
+
+
+def test_a_save_begun_with_the_step_snapshots_right_after_its_calls(group2, tmp_path):
+    """``step_save`` begins the save a step's number asks for before the step ends; each
+    rank snapshots right after the calls sent before ``snapshot()``, so a call the driver
+    sends later (here a next step's training, before ``step()``) is not in it, and the
+    save commits with the metrics ``step()`` brings."""
+    root = str(tmp_path / "ck")
+    m = manager(root, {"actor": group2}, config={"save_full_interval": 2, "keep_last_n": 2,
+                                                 "save_on_loss_drop": 0.5})
+    at: dict[int, Any] = {}
+    try:
+        for step in (1, 2, 3, 4):
+            ride = m.step_save(step, is_last=step == 4)
+            assert (ride is None) == (step % 2 == 1), step
+            refs = [w.train_step.remote(step) for w in group2]
+            if ride is not None:
+                ride.snapshot()
+            loss = ray.get(refs, timeout=RPC_TIMEOUT)[0]
+            at[step] = full_state(group2)
+            if step == 2:  # the driver goes on before step(): not part of step 2's save
+                train(group2, [99])
+                at[99] = full_state(group2)
+            h = m.step(step, metrics={"loss": loss})
+            if ride is None:
+                assert h is None or h.reason.startswith("loss fell"), h and h.reason
+                continue
+            assert h.reason == ("every 2 steps; train end" if step == 4 else "every 2 steps")
+            assert h.breakdown["queued"] and h.breakdown["rank"].startswith("actor/")
+            assert h.wait(RPC_TIMEOUT)["name"] == f"step_{step:08d}"
+            ts = json.loads(Storage(root).read_bytes(f"step_{step:08d}/trainer_state.json"))
+            assert ts["metrics"] == {"loss": loss} and ts["global_step"] == step
+            assert ts["triggers"]["loss_baseline"] == m._stepper.triggers.loss_baseline
+        stats = {s["name"]: s for s in m.checkpoint_stats}
+        assert stats["step_00000002"]["breakdown_ms"]["copy"] >= 0
+        m.step_save(6)
+        with pytest.raises(RuntimeError, match=r"completed by step\(\) first"):
+            m.save_checkpoint()
+        with pytest.raises(RuntimeError, match="completed by that step"):
+            m.step(7)  # the save begun with step 6 is aborted, never committed
+        assert "step_00000006" not in committed(root)
+    finally:
+        m.close(RPC_TIMEOUT)
+    m2 = manager(root, {"actor": group2})
+    try:
+        assert m2.load_checkpoint("step_00000002").step == 2
+        assert_same(full_state(group2), at[2])
+        assert any(not torch.equal(v, at[99]["model"][k]) for k, v in at[2]["model"].items())
+    finally:
+        m2.close(RPC_TIMEOUT)

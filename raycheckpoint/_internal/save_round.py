@@ -1,4 +1,20 @@
-"""What the driver tells the workers of a save round that will not be persisted.
+"""One save round of the driver: ``begin``, the workers' snapshots, the persists' start.
+
+:class:`SaveRound` is what :meth:`CheckpointManager.save_checkpoint
+<raycheckpoint.manager.CheckpointManager.save_checkpoint>` runs at once, and what a save
+requested with a training step (:meth:`CheckpointManager.step_save
+<raycheckpoint.manager.CheckpointManager.step_save>`) runs in three parts:
+
+1. :meth:`SaveRound.__init__` captures the trainer state and sends the coordinator's
+   ``begin``; a save riding on a step asks it to hold the commit until :meth:`finish`
+   hands over what only the step's end knows (its metrics, the triggers' state);
+2. :meth:`SaveRound.send_snapshots` sends each trainable role's workers their snapshot
+   (``ckpt_snapshot_begun``: they copy, then read ``begin``'s answer).  Sent while a
+   step's training calls are queued on the workers, it runs right after them, before
+   anything the driver sends once it has their answers;
+3. :meth:`SaveRound.finish` reads ``begin``'s answer, snapshots the frozen roles whose
+   weights are not reused, waits for every snapshot, starts the persists and hands the
+   coordinator's ``await_save`` to a :class:`~raycheckpoint.save_handle.SaveHandle`.
 
 :func:`settle` waits for snapshots whose save ended before it was named (``begin``
 failed, or reused an existing checkpoint); :func:`fail_staged` aborts a named save after
@@ -8,11 +24,156 @@ its snapshots, so that no rank waits for a peer that will never write.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import ray
 
+from raycheckpoint._internal.breakdown import save_breakdown
+from raycheckpoint._internal.rpc import get as _get
+from raycheckpoint.errors import CheckpointSaveError
+from raycheckpoint.policy.retention import RetentionPolicy
+from raycheckpoint.save_handle import SaveHandle
+from raycheckpoint.state import capture_rng, encode_loader_state
+
 logger = logging.getLogger(__name__)
+
+
+class SaveRound:
+    """One save of a :class:`~raycheckpoint.manager.CheckpointManager` (see the module doc)."""
+
+    def __init__(self, manager: Any, *, step: int, kind: str, tag: str | None,
+                 metrics: dict[str, Any], replicate: bool, held: bool = False) -> None:
+        m = self.manager = manager
+        self.step, self.kind, self.held = step, kind, held
+        self.t0 = time.perf_counter()
+        self.marks = {"start": time.time()}  # when each of the driver's phases ended
+        m._stepper.triggers.saved()  # save_every_minutes counts from any save
+        trainer_state: dict[str, Any] = {
+            "epoch": m.epoch, "config_fingerprint": m.fingerprint,
+            "world_sizes": m.world_sizes, "saved_at": time.time(),
+            # the job's retention rules, so `raycheckpoint gc` can apply them without the job
+            "retention": RetentionPolicy.from_config(m.config).retention_rules(),
+            "triggers": m._stepper.triggers.state_dict()}
+        if kind == "full":
+            trainer_state["rng"] = capture_rng()
+            if m.dataloader is not None:
+                trainer_state["dataloader"] = encode_loader_state(m.dataloader.state_dict())
+        expected = [(role, rank) for role, ws in m.groups.items() for rank in range(len(ws))]
+        self.marks["trainer_state"] = time.time()
+        self.rpc = m.config.rpc_timeout_s
+        self.wait_s = m.config.save_wait_timeout_s
+        self.begin_ref = m._coordinator.begin.remote(
+            step=step, kind=kind, tag=tag, metrics=metrics, trainer_state=trainer_state,
+            expected=expected, world_sizes=m.world_sizes, frozen=m._identities,
+            replicate=replicate, held=held)
+        self.marks["begin_sent"] = time.time()
+        self.writers: list[tuple[str, Any]] = []
+        self.snap_refs: list[Any] = []
+        self.sent = False
+
+    def send_snapshots(self) -> None:
+        """Each trainable role's workers snapshot once the calls sent to them before have
+        run (a trainable role is never reused: they copy while ``begin`` runs, and read
+        its answer, the reference in a list, unresolved, once copied)."""
+        if self.sent:
+            return
+        m = self.manager
+        self.sent = True
+        self.marks["send_start"] = time.time()
+        early = [(f"{role}/{rank}", w) for role, ws in m.groups.items()
+                 if role not in m.frozen_roles for rank, w in enumerate(ws)]
+        self.writers += early
+        self.snap_refs += [w.ckpt_snapshot_begun.remote([self.begin_ref], self.kind, self.wait_s,
+                                                        m.config.overlap_copy,
+                                                        self.wait_s + self.rpc)
+                           for _, w in early]
+        self.marks["sent"] = time.time()
+
+    def finish(self, late: dict[str, Any] | None = None) -> SaveHandle:
+        """Complete the save (see the module doc); ``late``: what a held save commits with
+        (``metrics``, ``trainer_state`` entries).  Returns once every worker has its copy."""
+        m, wait_s, rpc = self.manager, self.wait_s, self.rpc
+        self.send_snapshots()
+        self.marks["finish"] = time.time()
+        try:
+            begun = _get(self.begin_ref, wait_s + rpc)
+            self.marks["begun"] = time.time()
+        except Exception as e:
+            settle(self.snap_refs, wait_s + rpc)  # each drops its copy: nothing was named
+            if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, PermissionError)):
+                # storage failed (after its retries) before any worker wrote
+                return m._saves.failed_before_start(self.step, self.kind, self.stall_s(), e)
+            raise  # the root is gone or not ours to write: not a failure of this one save
+        if "existing" in begun:
+            settle(self.snap_refs, wait_s + rpc)
+            e = begun["existing"]
+            return SaveHandle(m._record, save_id=None, name=e["name"], step=e["step"],
+                              kind=e["kind"], stall_s=self.stall_s(), worker_stall_s=0.0,
+                              existing={**e, "existing": True})
+        save_id, name = begun["save_id"], begun["name"]
+        late_writers = [(f"{role}/{rank}", w) for role in m.frozen_roles
+                        if role not in begun["reused"] for rank, w in enumerate(m.groups[role])]
+        self.snap_refs += [w.ckpt_snapshot_begun.remote(begun, self.kind, wait_s,
+                                                        m.config.overlap_copy)
+                           for _, w in late_writers]
+        writers = self.writers + late_writers
+        try:  # the workers report to the coordinator they were set up with
+            snaps = _get(self.snap_refs, wait_s + rpc)
+            self.marks["snapped"] = time.time()
+        except BaseException as e:
+            fail_staged(m._coordinator, save_id, name, self.kind, writers,
+                        f"snapshot failed: {type(e).__name__}: {e}", wait_s)
+            raise CheckpointSaveError(f"snapshot for {name} failed: {type(e).__name__}: {e}",
+                                      failures={"snapshot": repr(e)}) from e
+        # a rank that could not read `begin`'s answer (its wait for it failed, where the
+        # driver's did not) staged nothing: it joins the save only to fail it
+        lost = {who: s["dropped"] for (who, _), s in zip(writers, snaps, strict=True)
+                if s.get("dropped")}
+        if lost:
+            reason = "; ".join(f"{who}: {why}" for who, why in lost.items())
+            fail_staged(m._coordinator, save_id, name, self.kind, writers,
+                        f"snapshot failed: {reason}", wait_s, refusing=lost)
+            raise CheckpointSaveError(f"snapshot for {name} failed: {reason}", failures=lost)
+        # every rank answered before any persist thread competes for its GIL; sent from
+        # here, so each start is queued ahead of the driver's next call to that worker (the
+        # next training step); not waited for: a failed persist reports to the coordinator,
+        # and a start that never arrives happens at the worker's next snapshot, load or wait
+        for _, w in writers:
+            w.ckpt_start_persist.remote(save_id)
+        finished = m._coordinator.await_save.remote(save_id, late if self.held else None)
+        worker_stall = max((s["stall_s"] for s in snaps), default=0.0)
+        stall_s = self.stall_s(worker_stall)
+        self.marks["end"] = time.time()
+        return SaveHandle(m._record, save_id=save_id, name=name, step=self.step, kind=self.kind,
+                          stall_s=stall_s, worker_stall_s=worker_stall, finished=finished,
+                          snapshots=snaps,
+                          breakdown=save_breakdown(self.marks, list(zip(
+                              [who for who, _ in writers], snaps, strict=True)),
+                              queued=self.held))
+
+    def abandon(self, reason: str) -> None:
+        """Abort this save, never to be completed: nothing of it commits, and no rank that
+        staged it waits for the others."""
+        m, wait_s = self.manager, self.wait_s
+        try:
+            begun = _get(self.begin_ref, wait_s + self.rpc)
+        except Exception:  # noqa: BLE001 - nothing was named: nothing to abort
+            begun = {}
+        settle(self.snap_refs, wait_s + self.rpc)
+        if "save_id" in begun:  # not a step saved already ("existing")
+            fail_staged(m._coordinator, begun["save_id"], begun["name"], self.kind,
+                        self.writers, reason, wait_s)
+
+    def stall_s(self, worker_stall_s: float = 0.0) -> float:
+        """The time this save blocked training: from its start, or for a save riding on a
+        step, the driver's two parts of it and the slowest rank's snapshot (which ran on
+        the worker between the step's calls and the driver's next ones)."""
+        if not self.held:
+            return time.perf_counter() - self.t0
+        marks = self.marks
+        request = (marks["begin_sent"] - marks["start"]) + (marks["sent"] - marks["send_start"])
+        return request + worker_stall_s + (time.time() - marks["finish"])
 
 
 def settle(refs: list[Any], timeout: float) -> None:

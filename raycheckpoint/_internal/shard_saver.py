@@ -157,9 +157,11 @@ class ShardSaver:
 
     @torch.no_grad()  # no autograd bookkeeping for the copies from parameters that need grad
     def snapshot(self, snap: Snapshot, target: SaveTarget, *, wait_timeout_s: float = 1800.0,
-                 start: bool = True, overlap: bool = False) -> dict[str, Any]:
+                 start: bool = True, overlap: bool = False,
+                 marks: dict[str, float] | None = None) -> dict[str, Any]:
         """Stage ``snap`` for the save ``target`` names and set up its persist;
-        ``start=False`` defers the persist's start.
+        ``start=False`` defers the persist's start.  ``marks`` gets the wall-clock time
+        each phase ended at (``planned``, ``copied``, ``named``: a save's breakdown).
 
         Deferring lets the caller answer its RPC before the persist thread competes with it
         (and with the other ranks' copies): ``start_persist`` then starts it.  With
@@ -173,6 +175,7 @@ class ShardSaver:
         error raised.
         """
         t0 = time.perf_counter()
+        marks = {} if marks is None else marks
         kind = snap.kind
         self.wait_previous(wait_timeout_s)
         self._end_overlapped_write(kind)  # ended by its persist or snapshot already: never beside
@@ -186,6 +189,7 @@ class ShardSaver:
             faults.check("worker.snapshot", path=f"{self.role}/{self.rank}")
             staged, copies, ready = self.stager.plan(kind, snap.state)
             copies, progress = self._start_overlapped_write(kind, copies, target, wait_timeout_s)
+            marks["planned"] = time.time()
             if overlap:
                 threading.Thread(target=self._copy_beside_training,
                                  args=(pending, copies, ready, progress), daemon=True,
@@ -198,6 +202,7 @@ class ShardSaver:
         except BaseException as e:
             self.refuse(kind, e, target)
             raise
+        marks["copied"] = time.time()  # with overlap: the copy's thread started
         if target.pending:
             try:
                 got = target.named()
@@ -210,6 +215,7 @@ class ShardSaver:
                 self._end_overlapped_write(kind)
                 return {"stall_s": time.perf_counter() - t0, "bytes": 0, "dropped": True}
             pending.save_id, step_dir = got
+        marks["named"] = time.time()
         stall_s = time.perf_counter() - t0
         self._set_up_persist(PersistJob(
             pending=pending, kind=kind, step_dir=step_dir, coordinator=target.coordinator,

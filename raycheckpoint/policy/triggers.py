@@ -42,7 +42,10 @@ class SaveTriggers:
         self.reward_baseline: float | None = None
 
     def check(self, step: int, *, loss: float | None = None, reward: float | None = None,
-              is_last: bool = False) -> SaveDecision | None:
+              is_last: bool = False, scheduled_only: bool = False) -> SaveDecision | None:
+        """The save due at ``step``, if any.  ``scheduled_only``: only what the step's
+        number and the clock decide (intervals, minutes, train end), before the step's
+        metrics exist; the metric triggers and their baselines are left alone."""
         c = self.config
         full: list[str] = []
         light: list[str] = []
@@ -52,6 +55,8 @@ class SaveTriggers:
             light.append(f"every {c.save_interval} steps (light)")
         if c.save_every_minutes and self.clock() - self.last_save_time >= c.save_every_minutes * 60:
             full.append(f"{c.save_every_minutes} minutes since the last save")
+        if scheduled_only:
+            loss = reward = None
         if c.save_on_loss_drop is not None and loss is not None:
             if self.loss_baseline is None:
                 self.loss_baseline = loss

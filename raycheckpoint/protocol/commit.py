@@ -43,6 +43,7 @@ class SaveRecord:
     frozen: dict[str, str] = field(default_factory=dict)  # role -> identity
     reused: dict[str, str] = field(default_factory=dict)  # role -> checkpoint holding its bytes
     replicate: bool = False  # a tiered job copies it to the durable tier whatever the interval
+    held: bool = False  # begun with a step: committed once the driver completes it (await_save)
     started: float = field(default_factory=time.time)
     reports: dict[tuple[str, int], list[FileEntry]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)

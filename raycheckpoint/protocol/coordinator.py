@@ -160,7 +160,7 @@ class CheckpointCoordinator:
     def begin(self, *, step: int, kind: str, tag: str | None, metrics: dict[str, float],
               trainer_state: dict[str, Any], expected: list[tuple[str, int]],
               world_sizes: dict[str, int], frozen: dict[str, str] | None = None,
-              replicate: bool = False) -> dict[str, Any]:
+              replicate: bool = False, held: bool = False) -> dict[str, Any]:
         """Reserve a save.
 
         Returns ``{"save_id", "name", "reused"}``, or ``{"existing": entry}`` when the
@@ -172,7 +172,9 @@ class CheckpointCoordinator:
         (same identity and world size) are in a committed checkpoint is not written again:
         it is listed in ``reused``, expects no reports, and the manifest references the
         earlier bytes.  ``replicate``: a tiered job copies this checkpoint to its durable
-        tier whatever ``replicate_every`` says (train end, preemption).
+        tier whatever ``replicate_every`` says (train end, preemption).  ``held``: a save
+        begun with a training step, committed only once ``await_save`` brings what the
+        step's end knows (its metrics, the triggers' state); never, if that never comes.
         """
         if kind not in ("full", "light"):
             raise ValueError(f"kind must be 'full' or 'light', got {kind!r}")
@@ -202,7 +204,7 @@ class CheckpointCoordinator:
             save = SaveRecord(save_id=save_id, name=name, step=step, kind=kind, tag=tag,
                          metrics=dict(metrics), trainer_state=dict(trainer_state),
                          world_sizes=dict(world_sizes), expected={tuple(e) for e in expected},
-                         frozen=frozen, reused=reused, replicate=replicate,
+                         frozen=frozen, reused=reused, replicate=replicate, held=held,
                          # until the driver says every snapshot is taken (snapshotted()),
                          # the snapshots themselves may wait for a previous persist
                          deadline=time.time() + self.config.save_wait_timeout_s
@@ -228,9 +230,17 @@ class CheckpointCoordinator:
                 save.deadline = time.time() + self.config.commit_timeout_s
                 self._cond.notify_all()
 
-    def await_save(self, save_id: str) -> dict[str, Any]:
+    def await_save(self, save_id: str, late: dict[str, Any] | None = None) -> dict[str, Any]:
         """:meth:`snapshotted`, then answer as :meth:`wait` does once the save has finished:
-        the driver holds this call's answer as its handle on the save."""
+        the driver holds this call's answer as its handle on the save.  ``late``: what a
+        held save commits with (``metrics``; ``trainer_state`` entries), releasing it."""
+        if late is not None:
+            with self._cond:
+                save = self._saves.get(save_id)
+                if save is not None and save.status == "pending":
+                    save.metrics.update(late.get("metrics") or {})
+                    save.trainer_state.update(late.get("trainer_state") or {})
+                    save.held = False
         self.snapshotted(save_id)
         return self.wait(save_id)
 
@@ -308,8 +318,12 @@ class CheckpointCoordinator:
     def _await_reports_and_commit(self, save: SaveRecord) -> None:
         with self._cond:
             while (save.status == "pending" and not save.failures
-                   and set(save.reports) != save.expected and time.time() < save.deadline):
+                   and (save.held or set(save.reports) != save.expected)
+                   and time.time() < save.deadline):
                 self._cond.wait(min(1.0, max(0.0, save.deadline - time.time())))
+            if save.held and not save.failures:
+                save.failures["driver"] = ("the step this save was begun with never "
+                                           "completed it (the driver's step() call)")
             failures = dict(save.failures)
             missing = sorted(save.expected - set(save.reports))
         if failures:
