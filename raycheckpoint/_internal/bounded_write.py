@@ -23,14 +23,18 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from raycheckpoint._internal import faults
+from raycheckpoint._internal.dcp.shard_plan import ShardPlan
 from raycheckpoint._internal.dcp.torch_records import contiguous_owner, record_frame, save_record
+from raycheckpoint._internal.persist import PendingPersist, PersistJob, SaveTarget, Snapshot
 from raycheckpoint._internal.slab import Slab
-from raycheckpoint._internal.staging import ATOMIC
+from raycheckpoint._internal.staging import ATOMIC, tensor_bytes
 from raycheckpoint.errors import CheckpointSaveError
 
 
@@ -111,3 +115,40 @@ class BoundedBuffer:
             self.chunks += 1
             self.peak = max(self.peak, n)
         w.write_many([frame[1]])
+
+
+def snapshot_bounded(saver: Any, snap: Snapshot, target: SaveTarget, t0: float,
+                     wait_timeout_s: float) -> dict[str, Any]:
+    """``ShardSaver.snapshot`` of a state over ``saver.host_buffer_bytes``: its persist
+    starts now, writing the live tensors through the saver's bounded buffer; returns
+    once they are read (``t0``: when the snapshot started)."""
+    kind, pending = snap.kind, PendingPersist("")
+    pending.copied.set()  # nothing is copied beside training
+    try:
+        faults.check("worker.snapshot", path=f"{saver.role}/{saver.rank}")
+        got = target.named()
+    except BaseException as e:
+        saver.refuse(kind, e, target)
+        raise
+    if got is None:
+        return {"stall_s": time.perf_counter() - t0, "bytes": 0, "dropped": True}
+    pending.save_id, step_dir = got
+    if saver._bounded is None or saver._bounded.nbytes != saver.host_buffer_bytes:
+        saver._bounded = BoundedBuffer(saver.host_buffer_bytes, pin=saver.pin_memory)
+    bounded = saver._bounded
+    ready = None
+    if saver.pin_memory:
+        ready = torch.cuda.Event()
+        ready.record()
+    bounded.begin(ready)
+    staged = live_state(snap.state)
+    saver._set_up_persist(PersistJob(
+        pending=pending, kind=kind, step_dir=step_dir, coordinator=target.coordinator,
+        plan=ShardPlan(), staged=staged, extra=snap.extra, assets=dict(snap.assets),
+        writes_tensors=bool(staged), bounded=bounded), start=True)
+    if not bounded.released.wait(wait_timeout_s):
+        raise TimeoutError(f"{saver.role}/{saver.rank}: save {pending.save_id} still writing "
+                           f"through its host buffer after {wait_timeout_s}s")
+    pending.copy_s = time.perf_counter() - t0
+    return {"stall_s": pending.copy_s, "bytes": tensor_bytes(staged), "chunked": True,
+            "chunks": bounded.chunks, "pinned": bounded.pinned, **saver.host_figures()}

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from raycheckpoint._internal import faults
-from raycheckpoint._internal.bounded_write import BoundedBuffer, live_state
+from raycheckpoint._internal.bounded_write import BoundedBuffer, snapshot_bounded
 from raycheckpoint._internal.dcp.save import save_state
 from raycheckpoint._internal.dcp.shard_plan import ShardPlan
 from raycheckpoint._internal.dcp.writer import HashingStorageWriter
@@ -182,7 +182,7 @@ class ShardSaver:
         if self.host_buffer_bytes is not None:  # a peer's bounded save needs this persist now
             start = True
             if tensor_bytes(snap.state) > self.host_buffer_bytes:
-                return self._snapshot_bounded(snap, target, t0, wait_timeout_s)
+                return snapshot_bounded(self, snap, target, t0, wait_timeout_s)
         save_id, step_dir = ("", "") if target.pending else target.named()
         pending = PendingPersist(save_id)
         try:
@@ -223,42 +223,6 @@ class ShardSaver:
             assets=dict(snap.assets), writes_tensors=bool(staged)), start=start)
         return {"stall_s": stall_s, "bytes": self.stager.staging[kind].bytes, "chunked": False,
                 "pinned": self.stager.pinned(kind), **self.host_figures()}
-
-    def _snapshot_bounded(self, snap: Snapshot, target: SaveTarget, t0: float,
-                          wait_timeout_s: float) -> dict[str, Any]:
-        """:meth:`snapshot` of a state over ``host_buffer_bytes``: its persist starts now,
-        writing the live tensors through the bounded buffer
-        (:mod:`~raycheckpoint._internal.bounded_write`); returns once they are read."""
-        kind, pending = snap.kind, PendingPersist("")
-        pending.copied.set()  # nothing is copied beside training
-        try:
-            faults.check("worker.snapshot", path=f"{self.role}/{self.rank}")
-            got = target.named()
-        except BaseException as e:
-            self.refuse(kind, e, target)
-            raise
-        if got is None:
-            return {"stall_s": time.perf_counter() - t0, "bytes": 0, "dropped": True}
-        pending.save_id, step_dir = got
-        if self._bounded is None or self._bounded.nbytes != self.host_buffer_bytes:
-            self._bounded = BoundedBuffer(self.host_buffer_bytes, pin=self.pin_memory)
-        bounded = self._bounded
-        ready = None
-        if self.pin_memory:
-            ready = torch.cuda.Event()
-            ready.record()
-        bounded.begin(ready)
-        staged = live_state(snap.state)
-        self._set_up_persist(PersistJob(
-            pending=pending, kind=kind, step_dir=step_dir, coordinator=target.coordinator,
-            plan=ShardPlan(), staged=staged, extra=snap.extra, assets=dict(snap.assets),
-            writes_tensors=bool(staged), bounded=bounded), start=True)
-        if not bounded.released.wait(wait_timeout_s):
-            raise TimeoutError(f"{self.role}/{self.rank}: save {pending.save_id} still writing "
-                               f"through its host buffer after {wait_timeout_s}s")
-        pending.copy_s = time.perf_counter() - t0
-        return {"stall_s": pending.copy_s, "bytes": tensor_bytes(staged), "chunked": True,
-                "chunks": bounded.chunks, "pinned": bounded.pinned, **self.host_figures()}
 
     def _set_up_persist(self, job: PersistJob, *, start: bool) -> None:
         """Make ``job.pending`` this saver's persist (its thread started now, or deferred)."""
