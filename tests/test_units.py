@@ -262,3 +262,30 @@ def test_a_once_call_lets_go_of_its_function(fails):
     gc.collect()
     assert Answer.calls == 1
     assert (alive() is None) is not fails
+
+
+def _worker_marks(received: float) -> dict[str, float]:
+    names = ["received", "previous", "state_dict", "extra", "planned", "copied", "named", "answered"]
+    return {n: received + i * 0.001 for i, n in enumerate(names)}  # 1 ms a phase
+
+
+def test_a_saves_breakdown_lays_its_phases_end_to_end_along_the_slowest_rank():
+    from raycheckpoint._internal.breakdown import save_breakdown
+
+    driver = {"start": 100.0, "trainer_state": 100.002, "begun": 100.010, "snapped": 100.020,
+              "end": 100.021}
+    fast, slow = {"marks": _worker_marks(100.004)}, {"marks": _worker_marks(100.0105)}
+    out = save_breakdown(driver, [("actor/0", fast), ("actor/1", slow), ("rollout/0", {})])
+    assert out["rank"] == "actor/1" and not out["queued"]
+    assert out["trainer_state"] == 2.0 and out["to_worker"] == 8.5  # 100.002 -> 100.0105
+    assert all(out[p] == 1.0 for p in ("wait_previous", "copy", "begin_answer", "answer"))
+    assert out["to_driver"] == 2.5 and out["finish"] == 1.0
+    assert out["total"] == 21.0 and out["begin_beside"] == 8.0
+    # riding on a step: the step between the request and the snapshot is not the save's
+    driver.update(begin_sent=100.003, send_start=100.5, sent=100.502, finish=101.0,
+                  snapped=101.001, end=101.002)
+    out = save_breakdown(driver, [("actor/0", {"marks": _worker_marks(100.9)})], queued=True)
+    assert out["queued"] and "to_worker" not in out and "to_driver" not in out
+    assert out["send"] == 1.0 and out["send_snapshots_beside"] == 2.0 and out["finish"] == 2.0
+    assert out["total"] == 2.0 + 1.0 + 7 * 1.0 + 2.0
+    assert save_breakdown(driver, [("actor/0", {"stall_s": 0.1})]) == {}  # no marks: none

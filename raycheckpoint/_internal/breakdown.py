@@ -33,9 +33,10 @@ def save_breakdown(driver: dict[str, float], snapshots: list[tuple[str, dict[str
     bounded snapshot, a save that reused everything).
 
     ``queued``: a save riding on a training step, whose snapshots were queued behind the
-    step's calls: its blocked time is the driver's request
-    (``trainer_state``, ``send``: ``begin``; ``send_snapshots``), the rank's snapshot from
-    its receipt, and the driver's ``finish``; the time between (the step) is not the save's.
+    step's calls: its blocked time is the driver's request (``trainer_state``, ``send``:
+    ``begin``), the rank's snapshot from its receipt, and the driver's ``finish``; the
+    time between (the step) is not the save's, nor the sending of the snapshot calls,
+    which runs while the step's calls do (``send_snapshots_beside``).
     """
     marked = [(who, s["marks"]) for who, s in snapshots
               if all(m in s.get("marks", {}) for _, m in _WORKER[1:])]
@@ -47,8 +48,8 @@ def save_breakdown(driver: dict[str, float], snapshots: list[tuple[str, dict[str
         return {}
     if queued:
         parts = [("trainer_state", driver["start"], driver["trainer_state"]),
-                 ("send", driver["trainer_state"], driver["begin_sent"]),
-                 ("send_snapshots", driver["send_start"], driver["sent"])]
+                 ("send", driver["trainer_state"], driver["begin_sent"])]
+        out["send_snapshots_beside"] = round((driver["sent"] - driver["send_start"]) * 1e3, 3)
         last = worker["received"]
         for name, mark in _WORKER[1:]:
             parts.append((name, last, worker.get(mark, last)))

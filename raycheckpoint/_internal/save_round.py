@@ -167,13 +167,15 @@ class SaveRound:
 
     def stall_s(self, worker_stall_s: float = 0.0) -> float:
         """The time this save blocked training: from its start, or for a save riding on a
-        step, the driver's two parts of it and the slowest rank's snapshot (which ran on
-        the worker between the step's calls and the driver's next ones)."""
+        step, the driver's request (before the step's calls), the slowest rank's snapshot
+        (which ran on the worker between the step's calls and the driver's next ones) and
+        the driver's finish.  The snapshot calls are sent while the step's calls run,
+        not counted (``breakdown_ms``'s ``send_snapshots_beside``)."""
         if not self.held:
             return time.perf_counter() - self.t0
         marks = self.marks
-        request = (marks["begin_sent"] - marks["start"]) + (marks["sent"] - marks["send_start"])
-        return request + worker_stall_s + (time.time() - marks["finish"])
+        return (marks["begin_sent"] - marks["start"]) + worker_stall_s + (
+            time.time() - marks["finish"])
 
 
 def settle(refs: list[Any], timeout: float) -> None:
