@@ -181,6 +181,7 @@ class Trainer:
         self.events: list[str] = []
         self.finished_saves: list[dict[str, Any]] = []  # checkpoint_stats entries not yet logged
         self._seen_stats = 0
+        self._copy_waits: list[float] | None = None  # per trainable rank, at the last step
 
     def start(self) -> None:
         """Start (or join) Ray, the worker groups and the checkpoint manager."""
@@ -262,6 +263,18 @@ class Trainer:
 
     # ---- checkpoint events ------------------------------------------------------------------
 
+    def copy_wait(self) -> float:
+        """With ``overlap_copy``: how long this step's optimizer steps waited for the last
+        save's host copy (the most any trainable rank waited), part of the blocked time."""
+        if not self.manager.config.overlap_copy:
+            return 0.0
+        ranks = [w for role in ("actor", "critic") for w in self.groups.get(role, [])]
+        totals = ray.get([w.ckpt_status.remote() for w in ranks], timeout=RPC)
+        seen = self._copy_waits or [0.0] * len(ranks)
+        self._copy_waits = [t["copy_wait_s"] for t in totals]
+        return max((now - before for now, before in zip(self._copy_waits, seen, strict=True)),
+                   default=0.0)
+
     def collect_commits(self) -> None:
         stats = self.manager.checkpoint_stats
         for s in stats[self._seen_stats:]:
@@ -315,7 +328,7 @@ class Trainer:
             saves = self.manager.last_saves
             self.events += [f"save {h.name} {h.kind}" + (f" tag={h.tag}" if h.tag else "")
                             + f" ({h.reason})" for h in saves]
-            blocked = sum(h.stall_s for h in saves)
+            blocked = sum(h.stall_s for h in saves) + self.copy_wait()
             self.collect_commits()
             sha = ray.get([w.weights_sha256.remote() for w in self.groups["actor"]], timeout=RPC)[0]
             record = {"step": step, "epoch": self.sampler.epoch, **{k: round(v, 6) for k, v in out.items()},
