@@ -149,6 +149,7 @@ class Replicator:
         self._cond = threading.Condition()
         self._queue: list[str] = []  # oldest first
         self._current: str | None = None
+        self._finishing: str | None = None  # copied, its on_done still running
         self.results: dict[str, dict[str, Any]] = {}
         self.last_error: str | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name=name)
@@ -172,7 +173,7 @@ class Replicator:
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._current is not None:
+            while self._queue or self._current is not None or self._finishing is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -220,11 +221,14 @@ class Replicator:
             self.results[name] = result
             while len(self.results) > KEEP_RESULTS:  # the oldest first (insertion order)
                 del self.results[next(iter(self.results))]
+        with self._cond:  # no longer pending: what on_done runs (the source tier's
+            self._current = None  # retention) may let it go
+            self._finishing = name
         try:  # before the replication counts as over: wait_idle() covers what it does
             self._on_done(name, result, error)
         finally:
             with self._cond:
-                self._current = None
+                self._finishing = None
                 self._cond.notify_all()
 
 
