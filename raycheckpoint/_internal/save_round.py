@@ -13,8 +13,10 @@ requested with a training step (:meth:`CheckpointManager.step_save
    step's training calls are queued on the workers, it runs right after them, before
    anything the driver sends once it has their answers;
 3. :meth:`SaveRound.finish` reads ``begin``'s answer, snapshots the frozen roles whose
-   weights are not reused, waits for every snapshot, starts the persists and hands the
-   coordinator's ``await_save`` to a :class:`~raycheckpoint.save_handle.SaveHandle`.
+   weights are not reused (a save riding on a step sends those at step 2 already where
+   ``begin`` has answered by then: they copy beside the step), waits for every
+   snapshot, starts the persists and hands the coordinator's ``await_save`` to a
+   :class:`~raycheckpoint.save_handle.SaveHandle`.
 
 :func:`settle` waits for snapshots whose save ended before it was named (``begin``
 failed, or reused an existing checkpoint); :func:`fail_staged` aborts a named save after
@@ -70,7 +72,8 @@ class SaveRound:
         self.marks["begin_sent"] = time.time()
         self.writers: list[tuple[str, Any]] = []
         self.snap_refs: list[Any] = []
-        self.sent = False
+        self.sent = self.frozen_sent = False
+        self.beside: set[str] = set()  # writers whose snapshot ran beside the step
 
     def send_snapshots(self) -> None:
         """Each trainable role's workers snapshot once the calls sent to them before have
@@ -88,7 +91,27 @@ class SaveRound:
                                                         m.config.overlap_copy,
                                                         self.wait_s + self.rpc)
                            for _, w in early]
+        if self.held and ray.wait([self.begin_ref], timeout=0)[0]:
+            try:  # `begin` answered while the step ran: the frozen roles copy beside it too
+                self.beside = set(self._send_frozen(ray.get(self.begin_ref, timeout=self.rpc)))
+            except Exception:  # finish() reads the same answer and raises its error
+                logger.debug("begin failed; finish() raises it", exc_info=True)
         self.marks["sent"] = time.time()
+
+    def _send_frozen(self, begun: dict[str, Any]) -> list[str]:
+        """The frozen roles' snapshots, where ``begun`` names a save that does not reuse
+        their weights (sent once); returns who was sent one."""
+        if self.frozen_sent or "existing" in begun:
+            return []
+        m = self.manager
+        self.frozen_sent = True
+        late = [(f"{role}/{rank}", w) for role in m.frozen_roles if role not in begun["reused"]
+                for rank, w in enumerate(m.groups[role])]
+        self.writers += late
+        self.snap_refs += [w.ckpt_snapshot_begun.remote(begun, self.kind, self.wait_s,
+                                                        m.config.overlap_copy)
+                           for _, w in late]
+        return [who for who, _ in late]
 
     def finish(self, late: dict[str, Any] | None = None) -> SaveHandle:
         """Complete the save (see the module doc); ``late``: what a held save commits with
@@ -112,12 +135,8 @@ class SaveRound:
                               kind=e["kind"], stall_s=self.stall_s(), worker_stall_s=0.0,
                               existing={**e, "existing": True})
         save_id, name = begun["save_id"], begun["name"]
-        late_writers = [(f"{role}/{rank}", w) for role in m.frozen_roles
-                        if role not in begun["reused"] for rank, w in enumerate(m.groups[role])]
-        self.snap_refs += [w.ckpt_snapshot_begun.remote(begun, self.kind, wait_s,
-                                                        m.config.overlap_copy)
-                           for _, w in late_writers]
-        writers = self.writers + late_writers
+        self._send_frozen(begun)  # once `begin` said whether their weights are reused
+        writers = self.writers
         try:  # the workers report to the coordinator they were set up with
             snaps = _get(self.snap_refs, wait_s + rpc)
             self.marks["snapped"] = time.time()
@@ -142,15 +161,22 @@ class SaveRound:
         for _, w in writers:
             w.ckpt_start_persist.remote(save_id)
         finished = m._coordinator.await_save.remote(save_id, late if self.held else None)
-        worker_stall = max((s["stall_s"] for s in snaps), default=0.0)
+        whose = [who for who, _ in writers]
+        # frozen roles sent their snapshot while the step ran (idle there, no step's call
+        # behind it): beside the step, not in its blocked time
+        worker_stall = max((s["stall_s"] for who, s in zip(whose, snaps, strict=True)
+                            if who not in self.beside), default=0.0)
         stall_s = self.stall_s(worker_stall)
         self.marks["end"] = time.time()
+        breakdown = save_breakdown(self.marks, [(who, s) for who, s in zip(whose, snaps,
+                                                                            strict=True)
+                                                if who not in self.beside], queued=self.held)
+        if self.beside and breakdown:
+            breakdown["frozen_beside"] = round(1e3 * max(
+                s["stall_s"] for who, s in zip(whose, snaps, strict=True) if who in self.beside), 3)
         return SaveHandle(m._record, save_id=save_id, name=name, step=self.step, kind=self.kind,
                           stall_s=stall_s, worker_stall_s=worker_stall, finished=finished,
-                          snapshots=snaps,
-                          breakdown=save_breakdown(self.marks, list(zip(
-                              [who for who, _ in writers], snaps, strict=True)),
-                              queued=self.held))
+                          snapshots=snaps, breakdown=breakdown)
 
     def abandon(self, reason: str) -> None:
         """Abort this save, never to be completed: nothing of it commits, and no rank that
