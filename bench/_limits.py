@@ -25,6 +25,29 @@ def _fs(url: str, options: dict[str, Any]) -> tuple[Any, str, bool]:
     return fs, path, fs.protocol in ("file", ("file", "local"))
 
 
+def host_buffers(src: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host memory for a copy of ``src``, allocated and touched (pinned for a GPU's)."""
+    return [torch.zeros_like(t, device="cpu", pin_memory=t.is_cuda) for t in src]
+
+
+@torch.no_grad()
+def timed_copy(buffers: list[torch.Tensor], src: list[torch.Tensor]) -> float:
+    """Seconds to copy ``src`` into ``buffers``: on the CPU one ``torch._foreach_copy_``
+    for every tensor, as raycheckpoint's own host copy makes it; from a GPU,
+    device-to-host on one stream, waited for at the end."""
+    cuda = any(t.is_cuda for t in src)
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if cuda:
+        for buf, t in zip(buffers, src, strict=True):
+            buf.copy_(t, non_blocking=True)
+        torch.cuda.synchronize()
+    else:
+        torch._foreach_copy_(buffers, src)
+    return time.perf_counter() - t0
+
+
 class Limits:
     """Host copy, raw write + fsync and raw read of this rank's state (see ``measure_limits``)."""
 
@@ -37,14 +60,10 @@ class Limits:
 
     @torch.no_grad()  # a bare copy: no autograd bookkeeping for parameters that need grad
     def host_copy(self, fresh: bool = False) -> float:
-        """Copy this rank's state into preallocated (or, with ``fresh``, new) host memory.
-
-        On the CPU one ``torch._foreach_copy_`` for every tensor (a Python loop of
-        ``copy_`` costs ~1 µs a tensor more, which the saves no longer pay); on a GPU
-        device-to-host into pinned buffers, one stream, waited for at the end.
-        """
+        """Copy this rank's state into preallocated (or, with ``fresh``, new) host memory
+        (:func:`timed_copy`: a Python loop of ``copy_`` would cost ~1 µs a tensor more on
+        the CPU, which the saves no longer pay)."""
         src = self._tensors()
-        cuda = self.device.type == "cuda"
         if fresh:
             dist.barrier()
             t0 = time.perf_counter()
@@ -53,18 +72,9 @@ class Limits:
             del copies
             return elapsed
         if self._copy_buffers is None:  # allocated and touched
-            self._copy_buffers = [torch.zeros_like(t, device="cpu", pin_memory=cuda) for t in src]
+            self._copy_buffers = host_buffers(src)
         dist.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if cuda:
-            for buf, t in zip(self._copy_buffers, src, strict=True):
-                buf.copy_(t, non_blocking=True)
-            torch.cuda.synchronize()
-        else:  # one call for every tensor, as raycheckpoint's own host copy makes it
-            torch._foreach_copy_(self._copy_buffers, src)
-        return time.perf_counter() - t0
+        return timed_copy(self._copy_buffers, src)
 
     def _raw_aligned(self) -> memoryview:
         """This rank's bytes in page-aligned memory, zero-padded to a whole page (what an

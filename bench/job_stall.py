@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 CONFIGS = [("between steps", {"trainer.save_with_step": False}),
@@ -43,22 +42,17 @@ PHASES = ["trainer_state", "send", "to_worker", "wait_previous", "state_dict",
 
 
 def _copy_limit(worker: Any, repeats: int = 5) -> dict[str, float]:
-    """On an actor rank: a host copy of its full state's tensors, as a save makes it."""
+    """On an actor rank: a host copy of its full state's tensors into touched memory,
+    as the bench's other limits measure it (``bench/_limits.py``)."""
     import torch
 
-    from raycheckpoint._internal.staging import copy_tensors
+    from bench._limits import host_buffers, timed_copy
     from raycheckpoint.worker import local_tensors
 
     with torch.no_grad():
         src = list(local_tensors(worker.ckpt_state_dict("full")).values())
-    pairs = [(torch.empty_like(t, device="cpu"), t) for t in src]
-    copy_tensors(pairs)  # first touch
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        copy_tensors(pairs)
-        times.append(time.perf_counter() - t0)
-    return {"copy_s": statistics.median(times),
+    buffers = host_buffers(src)
+    return {"copy_s": statistics.median(timed_copy(buffers, src) for _ in range(repeats)),
             "bytes": sum(t.numel() * t.element_size() for t in src)}
 
 
