@@ -113,8 +113,6 @@ class StepSaver:
         handle = riding._round.finish({"metrics": dict(metrics),
                                        "trainer_state": {"triggers": self.triggers.state_dict()}})
         handle.reason = riding.reason
-        if handle.save_id is not None:
-            self.manager._saves.handles.append(handle)
         self.saves.append(handle)
         logger.info("save %s (%s, with the step): %s", handle.name, riding.kind, riding.reason)
 

@@ -235,11 +235,8 @@ class CheckpointManager:
         self._saves.poll()
         step = self.global_step if step is None else step
         metrics = dict(self.metrics if metrics is None else metrics)
-        handle = SaveRound(self, step=step, kind=kind, tag=tag, metrics=metrics,
-                           replicate=replicate).finish()
-        if handle.save_id is not None:
-            self._saves.handles.append(handle)
-        return handle
+        return SaveRound(self, step=step, kind=kind, tag=tag, metrics=metrics,
+                         replicate=replicate).finish()
 
     def step_save(self, step: int, *, epoch: int | None = None,
                   is_last: bool = False) -> StepSave | None:

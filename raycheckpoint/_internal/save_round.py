@@ -115,7 +115,8 @@ class SaveRound:
 
     def finish(self, late: dict[str, Any] | None = None) -> SaveHandle:
         """Complete the save (see the module doc); ``late``: what a held save commits with
-        (``metrics``, ``trainer_state`` entries).  Returns once every worker has its copy."""
+        (``metrics``, ``trainer_state`` entries).  Returns once every worker has its copy;
+        the handle of a save in flight is the manager's until observed."""
         m, wait_s, rpc = self.manager, self.wait_s, self.rpc
         self.send_snapshots()
         self.marks["finish"] = time.time()
@@ -161,22 +162,22 @@ class SaveRound:
         for _, w in writers:
             w.ckpt_start_persist.remote(save_id)
         finished = m._coordinator.await_save.remote(save_id, late if self.held else None)
-        whose = [who for who, _ in writers]
         # frozen roles sent their snapshot while the step ran (idle there, no step's call
         # behind it): beside the step, not in its blocked time
-        worker_stall = max((s["stall_s"] for who, s in zip(whose, snaps, strict=True)
-                            if who not in self.beside), default=0.0)
+        answers = [(who, s) for (who, _), s in zip(writers, snaps, strict=True)]
+        on_path = [(who, s) for who, s in answers if who not in self.beside]
+        worker_stall = max((s["stall_s"] for _, s in on_path), default=0.0)
         stall_s = self.stall_s(worker_stall)
         self.marks["end"] = time.time()
-        breakdown = save_breakdown(self.marks, [(who, s) for who, s in zip(whose, snaps,
-                                                                            strict=True)
-                                                if who not in self.beside], queued=self.held)
+        breakdown = save_breakdown(self.marks, on_path, queued=self.held)
         if self.beside and breakdown:
             breakdown["frozen_beside"] = round(1e3 * max(
-                s["stall_s"] for who, s in zip(whose, snaps, strict=True) if who in self.beside), 3)
-        return SaveHandle(m._record, save_id=save_id, name=name, step=self.step, kind=self.kind,
-                          stall_s=stall_s, worker_stall_s=worker_stall, finished=finished,
-                          snapshots=snaps, breakdown=breakdown)
+                s["stall_s"] for who, s in answers if who in self.beside), 3)
+        handle = SaveHandle(m._record, save_id=save_id, name=name, step=self.step,
+                            kind=self.kind, stall_s=stall_s, worker_stall_s=worker_stall,
+                            finished=finished, snapshots=snaps, breakdown=breakdown)
+        m._saves.handles.append(handle)  # in flight until observed
+        return handle
 
     def abandon(self, reason: str) -> None:
         """Abort this save, never to be completed: nothing of it commits, and no rank that
