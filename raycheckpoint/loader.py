@@ -26,6 +26,7 @@ keys the checkpoint lacks included); every skipped item is logged as a WARNING. 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from raycheckpoint._internal.rpc import get as _get
 from raycheckpoint.config import CheckpointConfig
 from raycheckpoint.errors import ConfigMismatchError, IntegrityError, LightCheckpointError
 from raycheckpoint.integrity.crypto import check_key
-from raycheckpoint.integrity.verify import verify_files
+from raycheckpoint.integrity.verify import read_verified, verify_files
 from raycheckpoint.protocol.candidates import (
     PassedOver,
     Tier,
@@ -84,6 +85,7 @@ class CheckpointLoader:
 
     def __init__(self, storage: Storage, config: CheckpointConfig, groups: dict[str, list[Any]],
                  *, cipher: Any, fingerprint: dict[str, Any], dataloader: Any,
+                 rollout_state: Any = None,
                  workers_loaded: Callable[[], None], durable: StorageSpec | None = None,
                  memory: StorageSpec | None = None, workers_see_root: bool = True) -> None:
         self.storage = storage
@@ -96,6 +98,7 @@ class CheckpointLoader:
         self.cipher = cipher
         self.fingerprint = fingerprint
         self.dataloader = dataloader
+        self.rollout_state = rollout_state
         self.workers_loaded = workers_loaded
 
     @property
@@ -184,7 +187,10 @@ class CheckpointLoader:
         handed = {p for _, req in requests for p in req["files"]}
         # what no worker will read is checked first: a corrupt asset refuses the checkpoint
         # before any worker's state changes
-        rest = {p: e for p, e in ck.manifest.files.items() if p not in handed}
+        rollout = (None if weights_only or self.rollout_state is None
+                   else self._read_rollout_state(ck, storage, strict))
+        rest = {p: e for p, e in ck.manifest.files.items()
+                if p not in handed and p != ck.paths.rollout_state}
         verify_files(storage, rest)
         report.verified("by the driver before loading (assets, unread rank files, other roles)",
                         rest)
@@ -215,6 +221,11 @@ class CheckpointLoader:
                                          "data loader", path=name)
                 else:
                     skipped.append("data loader: no saved state")
+            if rollout is not None:
+                self.rollout_state.load_state_dict(rollout)
+                report.loaded("rollout state: queued samples, sequences in flight, policy version")
+            elif self.rollout_state is not None:
+                skipped.append("rollout state: none saved")
         for s in skipped:
             logger.warning("load %s: skipped %s", name, s)
         result = LoadResult(name=name, step=ck.step, kind=ck.kind, epoch=ts.get("epoch"),
@@ -226,6 +237,25 @@ class CheckpointLoader:
         if self.config.debug:
             print("\n".join(result.report), flush=True)
         return result
+
+    def _read_rollout_state(self, ck: VerifiedCheckpoint, storage: Storage, strict: bool) -> Any:
+        """The checkpoint's rollout state, read whole, verified and decrypted before any
+        worker loads (a damaged file refuses the checkpoint: ``auto`` takes the one before);
+        None where it has none and ``strict`` is off."""
+        rel = ck.paths.rollout_state
+        entry = ck.manifest.files.get(rel)
+        if entry is None:
+            if strict:
+                raise IntegrityError(f"{ck.name} has no rollout state ({rel}) but this job keeps "
+                                     "one (an asynchronous job)", path=rel)
+            return None
+        data = read_verified(storage, rel, entry, checksums=self.config.enable_checksum,
+                             decrypt=True)
+        try:
+            doc = json.loads(data)
+        except ValueError as e:
+            raise IntegrityError(f"{rel}: not JSON ({e})", path=rel) from None
+        return decode_loader_state(doc, rel)
 
     def _requests(self, ck: VerifiedCheckpoint, *, weights_only: bool, strict: bool,
                   storage: StorageSpec | None = None) -> list[tuple[Any, dict[str, Any]]]:

@@ -54,7 +54,8 @@ class CheckpointManager:
     """Driver-side checkpointing for one job's worker groups."""
 
     def __init__(self, config: CheckpointConfig, worker_groups: dict[str, list[Any]], *,
-                 dataloader: Any = None, fingerprint: dict[str, Any] | None = None,
+                 dataloader: Any = None, rollout_state: Any = None,
+                 fingerprint: dict[str, Any] | None = None,
                  frozen_roles: tuple[str, ...] | list[str] = (),
                  prepare_buffers: bool = True) -> None:
         self.config = config
@@ -73,6 +74,7 @@ class CheckpointManager:
         self.frozen_roles = tuple(frozen_roles)
         self._identities: dict[str, str] = {}
         self.dataloader = dataloader
+        self.rollout_state = rollout_state
         self.fingerprint = dict(fingerprint or {})
         self.global_step = 0
         self.epoch = 0
@@ -87,7 +89,7 @@ class CheckpointManager:
         self._stepper = StepSaver(self)
         self._loader = CheckpointLoader(
             self.roots.commit.open(), config, self.groups, cipher=self.cipher,
-            fingerprint=self.fingerprint, dataloader=dataloader,
+            fingerprint=self.fingerprint, dataloader=dataloader, rollout_state=rollout_state,
             workers_loaded=self._refresh_identities,
             durable=self.spec if self.roots.local is not None else None, memory=self.roots.memory,
             workers_see_root=self.roots.nodes is None)

@@ -61,6 +61,8 @@ class SaveRound:
             trainer_state["rng"] = capture_rng()
             if m.dataloader is not None:
                 trainer_state["dataloader"] = encode_loader_state(m.dataloader.state_dict())
+        rollout_state = (encode_loader_state(m.rollout_state.state_dict(), "rollout state")
+                         if kind == "full" and m.rollout_state is not None else None)
         expected = [(role, rank) for role, ws in m.groups.items() for rank in range(len(ws))]
         self.marks["trainer_state"] = time.time()
         self.rpc = m.config.rpc_timeout_s
@@ -68,7 +70,7 @@ class SaveRound:
         self.begin_ref = m._coordinator.begin.remote(
             step=step, kind=kind, tag=tag, metrics=metrics, trainer_state=trainer_state,
             expected=expected, world_sizes=m.world_sizes, frozen=m._identities,
-            replicate=replicate, held=held)
+            replicate=replicate, held=held, rollout_state=rollout_state)
         self.marks["begin_sent"] = time.time()
         self.writers: list[tuple[str, Any]] = []
         self.snap_refs: list[Any] = []

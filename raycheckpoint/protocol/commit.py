@@ -1,10 +1,11 @@
 """The commit sequence (DESIGN section 2.4), as one function, and the record of a save.
 
 Once every expected (role, rank) has reported its files, :func:`commit` writes, in this
-order: ``trainer_state.json``, ``version.json``, ``manifest.msgpack``, ``COMMITTED``,
-``LATEST`` (full only) and the ``latest`` link, the tag pointer, ``catalog.json``.
-``COMMITTED`` present means complete: a failure before it leaves no marker and
-``LATEST`` unchanged, and the partial files are collected later.  The lease is checked
+order: ``trainer_state.json`` (and an asynchronous job's ``rollout_state.json``),
+``version.json``, ``manifest.msgpack``, ``COMMITTED``, ``LATEST`` (full only) and the
+``latest`` link, the tag pointer, ``catalog.json``.  ``COMMITTED`` present means
+complete: a failure before it leaves no marker and ``LATEST`` unchanged, and the partial
+files are collected later.  The lease is checked
 just before the marker, and again before each write after it (``LATEST``, the tag, the
 catalog: :class:`~raycheckpoint.protocol.root.RootState`), so a job that lost its lease
 in between writes none of them.  Named fault points (``coordinator.*``) sit between the steps.
@@ -44,6 +45,7 @@ class SaveRecord:
     reused: dict[str, str] = field(default_factory=dict)  # role -> checkpoint holding its bytes
     replicate: bool = False  # a tiered job copies it to the durable tier whatever the interval
     held: bool = False  # begun with a step: committed once the driver completes it (await_save)
+    rollout_state: Any = None  # JSON-safe: written encrypted as rollout_state.json
     started: float = field(default_factory=time.time)
     reports: dict[tuple[str, int], list[FileEntry]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
@@ -81,6 +83,9 @@ def commit(root: RootState, save: SaveRecord) -> dict[str, Any]:
     faults.check("coordinator.trainer_state", path=name)
     entry = s.write_bytes(paths.trainer_state, json_bytes(trainer_state))
     files[entry.path] = entry
+    if save.rollout_state is not None:  # training data (prompts, tokens): a data file
+        entry = s.write_bytes(paths.rollout_state, json_bytes(save.rollout_state), encrypt=True)
+        files[entry.path] = entry
     # version.json is hashed with sha256 whatever the job's algorithm, so every release
     # can verify it and then say whether it reads the rest (format.version_info)
     entry = s.write_bytes(paths.version, json_bytes(version_info(files.values())),

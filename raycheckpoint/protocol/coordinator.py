@@ -160,7 +160,8 @@ class CheckpointCoordinator:
     def begin(self, *, step: int, kind: str, tag: str | None, metrics: dict[str, float],
               trainer_state: dict[str, Any], expected: list[tuple[str, int]],
               world_sizes: dict[str, int], frozen: dict[str, str] | None = None,
-              replicate: bool = False, held: bool = False) -> dict[str, Any]:
+              replicate: bool = False, held: bool = False,
+              rollout_state: Any = None) -> dict[str, Any]:
         """Reserve a save.
 
         Returns ``{"save_id", "name", "reused"}``, or ``{"existing": entry}`` when the
@@ -175,6 +176,8 @@ class CheckpointCoordinator:
         tier whatever ``replicate_every`` says (train end, preemption).  ``held``: a save
         begun with a training step, committed only once ``await_save`` brings what the
         step's end knows (its metrics, the triggers' state); never, if that never comes.
+        ``rollout_state``: an asynchronous job's rollout side (JSON-safe), committed as the
+        encrypted data file ``rollout_state.json``.
         """
         if kind not in ("full", "light"):
             raise ValueError(f"kind must be 'full' or 'light', got {kind!r}")
@@ -205,6 +208,7 @@ class CheckpointCoordinator:
                          metrics=dict(metrics), trainer_state=dict(trainer_state),
                          world_sizes=dict(world_sizes), expected={tuple(e) for e in expected},
                          frozen=frozen, reused=reused, replicate=replicate, held=held,
+                         rollout_state=rollout_state,
                          # until the driver says every snapshot is taken (snapshotted()),
                          # the snapshots themselves may wait for a previous persist
                          deadline=time.time() + self.config.save_wait_timeout_s

@@ -5,6 +5,7 @@ Layout of one job root (DESIGN section 3), paths relative to the root as
 
     LEASE  LATEST  latest  catalog.json  verification.json  tags/<tag>
     step_00001000/ CLAIM COMMITTED version.json manifest.msgpack trainer_state.json
+                   [rollout_state.json: an asynchronous job's, encrypted like the data]
                    rng/<role>/rank_<r>.msgpack  <role>/  (DCP directory per role)
                    assets/<role>/<file>  (e.g. a Hugging Face config.json and tokenizer
                                           files, written by rank 0 for export)
@@ -48,6 +49,7 @@ QUARANTINED = "QUARANTINED"  # a committed checkpoint set aside: its marker, and
 VERSION = "version.json"
 MANIFEST = "manifest.msgpack"
 TRAINER_STATE = "trainer_state.json"
+ROLLOUT_STATE = "rollout_state.json"  # an asynchronous job's rollout side, encrypted
 RNG_DIR = "rng"
 ASSETS_DIR = "assets"
 DCP_METADATA = ".metadata"  # torch DCP's own metadata file in a role's directory
@@ -126,6 +128,7 @@ class CheckpointPaths:
     manifest = _in_step(MANIFEST)
     version = _in_step(VERSION)
     trainer_state = _in_step(TRAINER_STATE)
+    rollout_state = _in_step(ROLLOUT_STATE)
 
     def role_dir(self, role: str) -> str:
         """The role's DCP directory."""
