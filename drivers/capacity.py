@@ -52,14 +52,17 @@ class Capacity:
         return max(now, float((self.max_total or {}).get(resource, 0.0)))
 
 
-def job_asks(opts: dict[str, Any], roles: list[str], world: int, resources: dict[str, float]) -> list[Ask]:
-    """What :func:`drivers.groups.placements` will ask Ray for, one :class:`Ask` per group."""
+def job_asks(opts: dict[str, Any], roles: list[str], world: int | dict[str, int],
+             resources: dict[str, float]) -> list[Ask]:
+    """What :func:`drivers.groups.placements` will ask Ray for, one :class:`Ask` per group
+    (``world``: every role's ranks, or each role's)."""
+    worlds = world if isinstance(world, dict) else dict.fromkeys(roles, world)
     cpus, strategy = opts["trainer.cpus_per_worker"], opts["trainer.placement_strategy"]
     if not resources:  # plain actors, each asking for its CPUs
-        return [Ask((role,), world, {"CPU": float(cpus)} if cpus else {}) for role in roles]
+        return [Ask((role,), worlds[role], {"CPU": float(cpus)} if cpus else {}) for role in roles]
     if not opts["trainer.colocate"]:
-        return [Ask((role,), world, bundle_of(resources, cpus), strategy) for role in roles]
-    return [Ask(tuple(roles), world, bundle_of(resources, cpus, len(roles)), strategy)]
+        return [Ask((role,), worlds[role], bundle_of(resources, cpus), strategy) for role in roles]
+    return [Ask(tuple(roles), worlds[roles[0]], bundle_of(resources, cpus, len(roles)), strategy)]
 
 
 def _n(x: float) -> str:

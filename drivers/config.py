@@ -72,6 +72,21 @@ DEFAULTS: dict[str, Any] = {
     "trainer.save_with_step": True,             # a save due at a step rides on its update:
                                                 # each rank snapshots right after it (false:
                                                 # between steps, after the step's last call)
+    # the asynchronous mode (drivers/async_ppo.py; verl's fully-async recipe's names where it
+    # has them): rollout ranks generate token by token beside training, into a sample queue
+    "async_training.enable": False,
+    "async_training.staleness_threshold": 1,    # most policy versions a trained sample's
+                                                # oldest token may lag (1: one step off)
+    "async_training.trigger_parameter_sync_step": 1,  # training steps per weight sync
+    "async_training.partial_rollout": True,     # in flight at a sync: continue under the new
+                                                # weights (false: finish under the old ones)
+    "async_training.schedule": "free",          # free: rollout ranks generate on their own;
+                                                # deterministic: reproducible bit for bit
+    "async_training.decode_steps_per_step": None,  # tokens each sequence advances per
+                                                # training step (null: response_length)
+    "rollout.n_gpus_per_node": None,            # rollout ranks of the asynchronous mode
+    "rollout.nnodes": 1,                        # (null: as many as the trainer's)
+    "checkpoint.rollout_state": "full",         # full | drop: keep only the data position
     "trainer.crash_at_step": None,              # testing aid: SIGKILL the driver after this step
     "trainer.step_delay_s": 0.0,                # testing aid: sleep after each step
 }

@@ -97,22 +97,27 @@ def role_specs(opts: dict[str, Any], roles: list[str], total_steps: int) -> dict
     return {role: (cls, {**kwargs, **common}) for role, (cls, kwargs) in specs.items() if role in roles}
 
 
-def placements(opts: dict[str, Any], roles: list[str], world: int, device: str) -> dict[str, Placement]:
+def placements(opts: dict[str, Any], roles: list[str], worlds: dict[str, int],
+               device: str) -> dict[str, Placement]:
     """One placement per role: its own, or (colocate) one shared by every role."""
     res = rank_resources(opts, device)
     cpus, strategy = opts["trainer.cpus_per_worker"], opts["trainer.placement_strategy"]
     if not opts["trainer.colocate"]:
-        return {role: place_ranks(world, resources=res, num_cpus=cpus, strategy=strategy,
+        return {role: place_ranks(worlds[role], resources=res, num_cpus=cpus, strategy=strategy,
                                   timeout_s=RPC) for role in roles}
     if not res:
         fail("trainer.colocate=true shares each rank's GPU among the roles: it needs GPUs "
              "(trainer.device=cuda or auto with GPUs) or trainer.worker_resources")
-    shared = place_ranks(world, resources=res, num_cpus=cpus, strategy=strategy, timeout_s=RPC,
+    if len(set(worlds.values())) > 1:
+        fail(f"trainer.colocate=true puts rank i of every role on GPU i: the roles' ranks must "
+             f"be as many, got {worlds}")
+    shared = place_ranks(worlds[roles[0]], resources=res, num_cpus=cpus, strategy=strategy, timeout_s=RPC,
                          share=len(roles))
     return {role: shared if i == 0 else shared.another_group(RPC) for i, role in enumerate(roles)}
 
 
-def check_capacity(opts: dict[str, Any], roles: list[str], world: int, device: str) -> None:
+def check_capacity(opts: dict[str, Any], roles: list[str], world: int | dict[str, int],
+                   device: str) -> None:
     """Refuse (one line, naming what the job asks for and what the cluster has) a job
     the cluster can never hold, before any placement group waits for it."""
     why = shortfall(job_asks(opts, roles, world, rank_resources(opts, device)), cluster_capacity(), opts)
@@ -120,14 +125,16 @@ def check_capacity(opts: dict[str, Any], roles: list[str], world: int, device: s
         fail(why)
 
 
-def start_groups(opts: dict[str, Any], roles: list[str], world: int,
+def start_groups(opts: dict[str, Any], roles: list[str], world: int | dict[str, int],
                  total_steps: int) -> tuple[dict[str, list[Any]], str]:
-    """Start every role's ranks (all actors first, then wait for all); the job's device."""
+    """Start every role's ranks (``world``: as many for every role, or each role's number;
+    all actors first, then wait for all); the job's device."""
+    worlds = world if isinstance(world, dict) else dict.fromkeys(roles, world)
     device = job_device(opts)
-    check_capacity(opts, roles, world, device)
+    check_capacity(opts, roles, worlds, device)
     specs = role_specs(opts, roles, total_steps)
-    places = placements(opts, roles, world, device)
-    groups = {role: start_ranks(cls, places[role], role=role, world_size=world, timeout_s=RPC,
+    places = placements(opts, roles, worlds, device)
+    groups = {role: start_ranks(cls, places[role], role=role, world_size=worlds[role], timeout_s=RPC,
                                 num_cpus=opts["trainer.cpus_per_worker"], **kwargs)
               for role, (cls, kwargs) in specs.items()}
     ready = ray.get([w.ready.remote() for ws in groups.values() for w in ws], timeout=RPC)

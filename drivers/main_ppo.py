@@ -67,7 +67,7 @@ def fingerprint(opts: dict[str, Any], data_sha: int, rows: int) -> dict[str, Any
     """What must not change across a strict resume (seed 003's checklist)."""
     keep = ("actor_rollout_ref.model.", "algorithm.", "actor_rollout_ref.rollout.",
             "actor_rollout_ref.actor.", "critic.", "reward_model.", "data.train_batch_size",
-            "trainer.seed")
+            "trainer.seed", "async_training.")
     # where the job runs and what its checkpoints hold are not the training's identity:
     # a checkpoint saved on cuda resumes on cpu (device-free on storage)
     free = ("actor_rollout_ref.actor.checkpoint.", "actor_rollout_ref.rollout.gpu_memory_utilization",
@@ -87,6 +87,16 @@ def roles_of(opts: dict[str, Any]) -> list[str]:
         ["critic"] if opts["algorithm.adv_estimator"] == "gae" else [])
 
 
+def role_worlds(opts: dict[str, Any]) -> dict[str, int]:
+    """Each role's ranks: the trainer's ``n_gpus_per_node * nnodes``; the asynchronous
+    mode's rollout its own (``rollout.n_gpus_per_node * rollout.nnodes``) when given."""
+    world = opts["trainer.n_gpus_per_node"] * opts["trainer.nnodes"]
+    worlds = dict.fromkeys(roles_of(opts), world)
+    if opts["async_training.enable"] and opts["rollout.n_gpus_per_node"]:
+        worlds["rollout"] = opts["rollout.n_gpus_per_node"] * opts["rollout.nnodes"]
+    return worlds
+
+
 def job_description(config: dict[str, Any]) -> dict[str, Any]:
     """What ``raycheckpoint diff REF job.yaml --fingerprint drivers.main_ppo:job_description``
     compares: the fingerprint, world sizes and reshard setting this job would resume with.
@@ -102,9 +112,8 @@ def job_description(config: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         rows, sha = data.load_or_generate(path, storage_options(opts), **dataset_args(opts),
                                           scratch=tmp)
-    world = opts["trainer.n_gpus_per_node"] * opts["trainer.nnodes"]
     return {"config_fingerprint": fingerprint(opts, sha, len(rows)),
-            "world_sizes": dict.fromkeys(roles_of(opts), world),
+            "world_sizes": role_worlds(opts),
             "allow_reshard": bool(opts["checkpoint.allow_reshard"])}
 
 
@@ -155,7 +164,6 @@ class Trainer:
             {"save_dir": self.root, "storage_options": self.storage_options,
              **verl_keys.checkpoint_settings(opts)})
         self.fingerprint = fingerprint(opts, data_sha, len(self.rows))
-        roles = roles_of(opts)
         self.resume_ref = None
         if self.ckpt_config.resume_mode != "disable":
             # refuse a mismatched resume before starting a single worker
@@ -167,7 +175,7 @@ class Trainer:
             cipher = (FileCipher(load_key(self.ckpt_config.encryption_key))
                       if self.ckpt_config.encryption_key else None)
             preflight(read_tiers(self.ckpt_config, cipher), self.resume_ref, self.fingerprint,
-                      dict.fromkeys(roles, self.world), allow_reshard=self.ckpt_config.allow_reshard,
+                      role_worlds(opts), allow_reshard=self.ckpt_config.allow_reshard,
                       cipher=cipher)
         self.sampler = ResumableSampler(len(self.rows), seed=opts["data.seed"])
         metrics = opts["trainer.metrics_file"] or f"{self.root}/metrics.jsonl"
@@ -182,19 +190,36 @@ class Trainer:
         self.finished_saves: list[dict[str, Any]] = []  # checkpoint_stats entries not yet logged
         self._seen_stats = 0
         self._copy_waits: list[float] | None = None  # per trainable rank, at the last step
+        self.save_notes: dict[str, dict[str, Any]] = {}  # added to a save's checkpoint_stats
 
     def start(self) -> None:
         """Start (or join) Ray, the worker groups and the checkpoint manager."""
         # the local Ray's object store carries the actor's weights to the rollout on every sync
         init_ray(model_bytes=lambda: parameter_bytes(section(self.opts, "actor_rollout_ref.model.")))
-        self.groups, device = start_groups(self.opts, roles_of(self.opts), self.world, self.total_steps)
+        self.groups, device = start_groups(self.opts, roles_of(self.opts), role_worlds(self.opts),
+                                           self.total_steps)
         if device == "cuda" and "checkpoint.overlap_copy" not in self.opts:
             # on GPUs the device-to-host copy runs on its stream beside the next step
             self.ckpt_config = dataclasses.replace(self.ckpt_config, overlap_copy=True)
         self.manager = CheckpointManager(
-            self.ckpt_config, self.groups, dataloader=DataState(self.sampler),
+            self.ckpt_config, self.groups, dataloader=self.data_state(), rollout_state=self.rollout_state(),
             fingerprint=self.fingerprint,
             frozen_roles=["reference", "reward"])
+
+    def data_state(self) -> Any:
+        """What the checkpoint's data-loader slot holds (the sampler's position)."""
+        return DataState(self.sampler)
+
+    def before_steps(self) -> None:
+        """After the load and the first weight sync, before the first step (nothing here)."""
+
+    def rollout_state(self) -> Any:
+        """The asynchronous mode's rollout side (none here)."""
+        return None
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
 
     # ---- pieces of a step ---------------------------------------------------------------
 
@@ -218,8 +243,12 @@ class Trainer:
         outs = ray.get([w.generate.remote(prompts[i * chunk:(i + 1) * chunk], self.n)
                         for i, w in enumerate(rollout)], timeout=RPC)
         responses = [r for out in outs for r in out]
+        return self.score(prompts, responses, [rows[i // self.n]["target"]
+                                               for i in range(len(responses))])
+
+    def score(self, prompts: list[list[int]], responses: list[list[int]], targets: list[str]):
+        """The batch of ``n`` consecutive ``responses`` per prompt, their rewards and rule scores."""
         batch = algos.build_batch(prompts, responses, self.n, pad=self.vocab.pad)
-        targets = [rows[i // self.n]["target"] for i in range(len(responses))]
         scored = ray.get(per_rank(self.groups["reward"], "score", batch,
                                   {"responses": responses, "targets": targets},
                                   rm_coef=self.opts["reward_model.rm_coef"]), timeout=RPC)
@@ -228,14 +257,22 @@ class Trainer:
         return batch, rewards, rule
 
     def train_step(self, step: int) -> dict[str, Any]:
-        o = self.opts
         rows = [self.rows[i] for i in self.sampler.next_batch(self.batch_size)]
         # a save due at this step rides on it: begun now (the data drawn), each rank
         # snapshots right after its update, before the driver's next call reaches it
         ride = (self.manager.step_save(step, epoch=self.sampler.epoch,
                                        is_last=step == self.total_steps)
-                if o["trainer.save_with_step"] else None)
+                if self.opts["trainer.save_with_step"] else None)
         batch, rewards, rule = self.rollout_and_score(rows)
+        out = self.update(batch, rewards, rule, ride=ride)
+        self.sync_rollout()
+        return out
+
+    def update(self, batch: dict[str, torch.Tensor], rewards: torch.Tensor, rule: list[float], *,
+               old_logprobs: torch.Tensor | None = None, ride: Any = None) -> dict[str, Any]:
+        """Advantages, the critic's and the actor's updates on ``batch``; the step's metrics.
+        ``old_logprobs``: the behaviour policy's (the rollout's), else the actor's own."""
+        o = self.opts
         ref_lp = torch.cat(ray.get(per_rank(self.groups["reference"], "logprobs", batch), timeout=RPC))
         mask = batch["response_mask"]
         out: dict[str, Any] = {}
@@ -248,15 +285,16 @@ class Trainer:
             out["value_loss"] = sum(c["value_loss"] for c in crit) / len(crit)
         else:
             adv = algos.grpo_advantages(rewards, self.n, mask)
-        upd = per_rank(self.groups["actor"], "update", batch,
-                       {"advantages": adv, "ref_logprobs": ref_lp},
+        extra = {"advantages": adv, "ref_logprobs": ref_lp}
+        if old_logprobs is not None:
+            extra["old_logprobs"] = old_logprobs
+        upd = per_rank(self.groups["actor"], "update", batch, extra,
                        clip=o["actor_rollout_ref.actor.clip_ratio"],
                        kl_coef=o["actor_rollout_ref.actor.kl_loss_coef"]
                        if o["actor_rollout_ref.actor.use_kl_loss"] else 0.0)
         if ride is not None:
             ride.snapshot()  # queued behind the update on each actor rank
         upd = ray.get(upd, timeout=RPC)
-        self.sync_rollout()
         out.update(loss=sum(u["loss"] for u in upd) / len(upd), kl=sum(u["kl"] for u in upd) / len(upd),
                    reward=float(rewards.mean()), rule_reward=sum(rule) / len(rule), lr=upd[0]["lr"])
         return out
@@ -275,12 +313,17 @@ class Trainer:
         return max((now - before for now, before in zip(self._copy_waits, seen, strict=True)),
                    default=0.0)
 
+    def step_extras(self, saves: list[Any]) -> dict[str, Any]:
+        """More entries of the step's metrics record, given the saves it made (none here)."""
+        return {}
+
     def collect_commits(self) -> None:
         stats = self.manager.checkpoint_stats
         for s in stats[self._seen_stats:]:
             self.events.append(f"committed {s['name']}" if s["ok"]
                                else f"failed {s['name']}: {s.get('error')}")
             self.events += [f"warning {s['name']}: {a}" for a in s.get("anomalies", [])]
+            s = {**s, **self.save_notes.pop(s["name"], {})}
             self.finished_saves.append(s)
             if s["ok"] and self.exports is not None:
                 self.exports.submit(s["name"])
@@ -314,6 +357,7 @@ class Trainer:
                 print(f"resumed from {loaded.name} at step {loaded.step}{note}", flush=True)
                 self.events.append(f"resumed {loaded.name}{note}")
         self.sync_rollout()
+        self.before_steps()
         if start:
             sha = self.check_rollout_synced()
             self.events.append(f"rollout weights re-synced from actor: sha256 {sha}")
@@ -323,17 +367,18 @@ class Trainer:
             out = self.train_step(step)
             # the manager saves what the config asks for: requests from outside, triggers,
             # and on SIGTERM an emergency full save, committed before should_stop turns True
-            self.manager.step(step, epoch=self.sampler.epoch, is_last=step == total,
+            self.manager.step(step, epoch=self.epoch, is_last=step == total,
                               metrics={"loss": out["loss"], "reward": out["reward"]})
             saves = self.manager.last_saves
             self.events += [f"save {h.name} {h.kind}" + (f" tag={h.tag}" if h.tag else "")
                             + f" ({h.reason})" for h in saves]
             blocked = sum(h.stall_s for h in saves) + self.copy_wait()
+            noted = self.step_extras(saves)
             self.collect_commits()
             sha = ray.get([w.weights_sha256.remote() for w in self.groups["actor"]], timeout=RPC)[0]
-            record = {"step": step, "epoch": self.sampler.epoch, **{k: round(v, 6) for k, v in out.items()},
+            record = {"step": step, "epoch": self.epoch, **{k: round(v, 6) for k, v in out.items()},
                       "ckpt_events": self.events, "step_time_s": round(time.perf_counter() - t0, 4),
-                      "ckpt_blocked_s": round(blocked, 4), "actor_weights_sha256": sha,
+                      "ckpt_blocked_s": round(blocked, 4), **noted, "actor_weights_sha256": sha,
                       "checkpoint_stats": self.finished_saves}
             self.events, self.finished_saves = [], []
             self.write_metrics(record)
@@ -361,7 +406,12 @@ class Trainer:
 def main(argv: list[str] | None = None) -> int:
     opts = parse_overrides(sys.argv[1:] if argv is None else argv)
     try:
-        trainer = Trainer(opts)
+        if opts["async_training.enable"]:
+            from drivers.async_ppo import AsyncTrainer
+
+            trainer: Trainer = AsyncTrainer(opts)
+        else:
+            trainer = Trainer(opts)
     except (ConfigMismatchError, CheckpointNotFoundError, IntegrityError,
             LightCheckpointError, EncryptionKeyError) as e:
         print(f"error: cannot resume: {e}", file=sys.stderr, flush=True)

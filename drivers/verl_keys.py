@@ -105,6 +105,9 @@ def total_steps(opts: dict[str, Any], steps_per_epoch: int) -> int:
     return int(opts["trainer.total_epochs"]) * max(1, steps_per_epoch)
 
 
+JOB_KEYS = ("checkpoint.rollout_state",)  # checkpoint.* keys of the job, not the library's
+
+
 def checkpoint_settings(opts: dict[str, Any]) -> dict[str, Any]:
     """The CheckpointConfig options of a job (the ``checkpoint.*`` keys win)."""
     keep = opts["trainer.max_actor_ckpt_to_keep"]
@@ -112,6 +115,6 @@ def checkpoint_settings(opts: dict[str, Any]) -> dict[str, Any]:
         keep = opts["trainer.max_critic_ckpt_to_keep"]
     ck = {"save_full_interval": opts["trainer.save_freq"] if opts["trainer.save_freq"] > 0 else None,
           "keep_last_n": keep, "resume_from": resume_from(opts), "debug": opts["trainer.debug"],
-          **{k: v for k, v in opts.items() if k.startswith("checkpoint.")},
+          **{k: v for k, v in opts.items() if k.startswith("checkpoint.") and k not in JOB_KEYS},
           "resume_mode": resume_mode(opts)}
     return {k: v for k, v in ck.items() if v is not None}

@@ -35,12 +35,16 @@ class PolicyWorker(ShardedModelWorker):
         return token_logprobs(logits, batch["input_ids"])
 
     def update(self, batch: dict[str, torch.Tensor], *, advantages: torch.Tensor,
-               ref_logprobs: torch.Tensor, clip: float, kl_coef: float) -> dict[str, float]:
-        """One PPO-clip step with a KL penalty to the reference on response tokens."""
+               ref_logprobs: torch.Tensor, clip: float, kl_coef: float,
+               old_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+        """One PPO-clip step with a KL penalty to the reference on response tokens.
+
+        ``old_logprobs``: the behaviour policy's log-probs (the asynchronous job's rollout,
+        some policy versions behind); default: this policy's own before the step."""
         batch = to_device(batch, self.device)
         advantages, ref_logprobs = advantages.to(self.device), ref_logprobs.to(self.device)
         mask = batch["response_mask"].float()
-        old = self._logprobs(batch)
+        old = self._logprobs(batch) if old_logprobs is None else old_logprobs.to(self.device)
         logits = self.net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         logp = token_logprobs(logits, batch["input_ids"])
         ratio = torch.exp(logp - old)

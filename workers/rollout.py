@@ -24,6 +24,7 @@ import base64
 import hashlib
 import os
 import tempfile
+import time
 from typing import Any
 
 import ray
@@ -32,6 +33,7 @@ import torch
 from raycheckpoint.worker import CheckpointableWorker, install_clean_exit
 from workers.device import rank_device
 from workers.models import Vocab, build_causal_lm, state_sha256, token_logprobs, tokenizer_of
+from workers.streaming import FreeRunning, Streams
 
 
 def vllm_engine_args(model_dir: str, model: dict[str, Any], seed: int, dtype: torch.dtype,
@@ -227,14 +229,23 @@ class RolloutWorker(CheckpointableWorker):
         self.device, self.gpu_ids = rank_device(device, f"{role} rank {rank}")
         self.engine = ENGINES[engine](dict(model or {}), seed, rank, temperature, max_new_tokens,
                                       self.device, dict(engine_options or {}))
+        self.streams: Streams | None = None
+        self.free: FreeRunning | None = None  # the free-running schedule's generation loop
+        self.seed = seed
 
     def ready(self) -> dict[str, Any]:
         return {"role": self.role, "rank": self.rank, "engine": self.engine_name,
                 "device": str(self.device), "gpu_ids": self.gpu_ids,
                 "node_id": ray.get_runtime_context().get_node_id()}
 
-    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.engine.set_weights(weights)
+    def set_weights(self, weights: dict[str, torch.Tensor], version: int | None = None,
+                    partial: bool = True) -> None:
+        """New policy weights; while generating on its own (free-running), applied at a token
+        boundary as policy ``version`` (``partial``: see :meth:`FreeRunning.swap`)."""
+        if self.free is None:
+            self.engine.set_weights(weights)
+            return
+        self.free.swap(lambda: self.engine.set_weights(weights), version, partial=partial)
 
     def weights_sha256(self) -> str:
         return self.engine.weights_sha256()
@@ -242,6 +253,81 @@ class RolloutWorker(CheckpointableWorker):
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         """``n`` sampled responses for each prompt (prompts of equal length), in order."""
         return self.engine.generate(prompts, n)
+
+    # ---- the asynchronous job: sequences in flight, a token at a time (workers/streaming) ----
+
+    def _streams(self) -> Streams:
+        if self.streams is None:
+            if not isinstance(self.engine, HFEngine):
+                raise RuntimeError("the asynchronous job generates token by token with "
+                                   "actor_rollout_ref.rollout.name=hf; the vllm engine does not "
+                                   "continue saved sequences yet")
+            self.streams = Streams(seed=self.seed, temperature=self.temperature,
+                                   max_new_tokens=self.max_new_tokens, pad=self.engine.pad,
+                                   eos=self.engine.eos, device=self.device)
+        return self.streams
+
+    def stream_admit(self, items: list[dict[str, Any]]) -> int:
+        """Take new sequences (``workers.streaming.FIELDS``); returns how many are in flight."""
+        streams = self._streams()
+        streams.admit(items)
+        return len(streams.live)
+
+    def stream_step(self, steps: int, version: int) -> dict[str, Any]:
+        """``steps`` tokens for every sequence in flight (fewer once none is left), produced
+        by policy ``version``: the finished sequences in order, and how many remain."""
+        streams = self._streams()
+        finished: list[dict[str, Any]] = []
+        for _ in range(steps):
+            if not streams.live:
+                break
+            finished += streams.step(self.engine.net, version)
+        return {"finished": finished, "live": len(streams.live),
+                "generated": streams.tokens_generated}
+
+    def stream_run(self, hub: Any, *, per_rank: int, n: int, version: int,
+                   timeout_s: float = 600.0) -> None:
+        """Generate on its own from now on (the free-running schedule): prompts from ``hub``,
+        at most ``per_rank`` sequences in flight, finished ones pushed to it."""
+        if self.free is not None:
+            raise RuntimeError("this rollout rank already generates on its own")
+        self.free = FreeRunning(self._streams(), lambda: self.engine.net, hub, per_rank=per_rank,
+                                n=n, version=version, timeout_s=timeout_s)
+
+    def stream_pause(self) -> dict[str, Any]:
+        """At the next token boundary: stop, and the sequences in flight (until ``stream_resume``)."""
+        if self.free is None:
+            raise RuntimeError("stream_pause: this rank does not generate on its own (stream_run)")
+        live = self.free.pause()
+        return {"live": live, "generated": self._streams().tokens_generated}
+
+    def stream_resume(self) -> float:
+        if self.free is None:
+            raise RuntimeError("stream_resume: this rank does not generate on its own (stream_run)")
+        return self.free.resume()
+
+    def stream_check(self) -> None:
+        """Raise the free-running loop's failure, if it failed."""
+        if self.free is not None:
+            self.free.check()
+
+    def stream_stop(self) -> None:
+        if self.free is not None:
+            self.free.stop()
+            self.free.check()
+
+    def stream_state(self) -> dict[str, Any]:
+        """At a token boundary: the sequences in flight, and how long copying them took."""
+        t0 = time.perf_counter()
+        streams = self._streams()
+        live = streams.state()
+        return {"live": live, "pause_s": time.perf_counter() - t0,
+                "generated": streams.tokens_generated}
+
+    def stream_load(self, items: list[dict[str, Any]]) -> int:
+        """Replace the sequences in flight with ``items`` (a resume); returns their number."""
+        self._streams().load(items)
+        return len(items)
 
     # ---- checkpoint: sampler config + RNG only; no engine state -----------------------------
 
