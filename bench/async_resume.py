@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           if mode == "drop" else 0)
                 extra = generated(before, start) + generated(ms, args.steps) - generated(
                     base, args.steps)
-                row.update({"resumed_at": start, "held_tokens": held_tokens(root, start),
+                row.update({"resumed_at": start, "held_tokens": held_tokens(killed, start),
                             f"{mode}_thrown_away": thrown, f"{mode}_extra_generated": extra})
                 if mode == "full":
                     timing["deterministic"] += pauses({s: r for s, r in ms.items() if s > start})

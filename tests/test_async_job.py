@@ -168,3 +168,18 @@ def test_free_running_job_killed_and_resumed_loses_and_repeats_nothing(ray_head,
                                        - tokens_held(saved))
     assert all("rollout_pause_s" in c for s in range(start + 1, 11)
                for c in after[s]["checkpoint_stats"] if c["ok"])
+
+
+@pytest.mark.parametrize("schedule", ["deterministic", "free"])
+def test_without_partial_rollout_each_sequence_comes_from_one_policy(ray_head, tmp_path, schedule):
+    """``async_training.partial_rollout=false``: sequences in flight at a sync finish under
+    the weights they began with, so every sequence, queued or in flight at a save, carries
+    one policy version (with partial rollout, those of the run above carry several)."""
+    root = tmp_path / "run"
+    run(ray_head, root, "trainer.total_training_steps=4", "async_training.partial_rollout=false",
+        f"async_training.schedule={schedule}")
+    for step in (2, 4):
+        doc = rollout_doc(root, step)
+        seqs = [s for rank in doc["inflight"] for s in rank] + doc["hub"]["queue"]["sequences"]
+        assert seqs and all(len(set(s["versions"])) == 1 for s in seqs), step
+    assert all(r["staleness_max"] <= 2 for r in metrics(root).values())
