@@ -15,7 +15,9 @@ Two engines, chosen by ``actor_rollout_ref.rollout.name``:
 
 The engine holds no state worth saving: a checkpoint of this role is the sampler config
 and its RNG position; after every load the driver re-syncs the weights from the actor
-(``set_weights``) and the engine is never restored from disk.
+(``set_weights``) and the engine is never restored from disk.  In the job's asynchronous
+mode a rank also holds sequences in flight (``stream_*``, :mod:`workers.streaming`, hf
+engine only), which the driver reads into the checkpoint's rollout state.
 """
 
 from __future__ import annotations
