@@ -118,9 +118,11 @@ class AsyncState:
             parts = state["inflight"]
         else:  # resharded: whole prompts to the ranks in turn, in their saved order
             ray.get(t.hub.load.remote(state["hub"]), timeout=RPC)
-            keys = list(dict.fromkeys((s["epoch"], s["pid"]) for s in inflight))
-            parts = [[s for s in inflight if keys.index((s["epoch"], s["pid"])) % len(ranks) == r]
-                     for r in range(len(ranks))]
+            turn = {k: i % len(ranks) for i, k in enumerate(
+                dict.fromkeys((s["epoch"], s["pid"]) for s in inflight))}
+            parts = [[] for _ in ranks]
+            for s in inflight:
+                parts[turn[(s["epoch"], s["pid"])]].append(s)
         ray.get([w.stream_load.remote(p) for w, p in zip(ranks, parts, strict=True)], timeout=RPC)
         t.live = [len(p) for p in parts]
         if drop:
@@ -145,7 +147,6 @@ class AsyncTrainer(Trainer):
         self.partial = bool(opts["async_training.partial_rollout"])
         self.free = opts["async_training.schedule"] == "free"
         self.discarded_tokens = 0  # in-flight and queued tokens a drop resume threw away
-        self.generated_before = 0
         self._epoch = 0
         self.state = AsyncState(self)
 
