@@ -12,11 +12,13 @@ prompt dispatched again.  Every state is plain lists and numbers (the checkpoint
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import ray
 
 from raycheckpoint import ResumableSampler
+from workers.streaming import Sequence
 
 Key = tuple[int, int]  # (epoch, prompt row)
 
@@ -117,8 +119,7 @@ class SampleHub:
 
     def dispatch(self, k: int, version: int) -> list[dict[str, Any]]:
         """The ``n`` new sequences of each of up to ``k`` prompts (see :meth:`Dispatcher.room`)."""
-        return [{"epoch": e, "pid": pid, "sample": j, "prompt": self.prompts[pid], "tokens": [],
-                 "versions": [], "logprobs": []}
+        return [asdict(Sequence(e, pid, j, self.prompts[pid]))
                 for e, pid in self.dispatcher.dispatch(k, version) for j in range(self.n)]
 
     def push(self, sequences: list[dict[str, Any]]) -> int:
@@ -154,18 +155,19 @@ class SampleHub:
     def state(self) -> dict[str, Any]:
         return {"dispatcher": self.dispatcher.state(), "queue": self.queue.state()}
 
-    def load(self, state: dict[str, Any], *, drop: list[Key] | None = None) -> None:
-        """Restore ``state``; ``drop``: prompts whose in-flight work is not restored."""
+    def load(self, state: dict[str, Any]) -> None:
         self.dispatcher.load(state["dispatcher"])
         self.queue.load(state["queue"])
-        if drop:
-            self.dispatcher.give_back(drop)
 
     def data_position(self) -> dict[str, Any]:
-        """What ``rollout_state=drop`` keeps: the data position, every outstanding prompt
-        given back (in-flight and queued work is generated again)."""
-        d = self.dispatcher.state()
-        requeue = d["requeue"] + d["outstanding"]
-        return {"dispatcher": {**d, "requeue": requeue, "outstanding": []},
-                "queue": {"sequences": [], "dropped_groups": self.queue.dropped_groups,
-                          "dropped_tokens": self.queue.dropped_tokens}}
+        """What ``rollout_state=drop`` keeps (:func:`without_work` of :meth:`state`)."""
+        return without_work(self.state())
+
+
+def without_work(state: dict[str, Any]) -> dict[str, Any]:
+    """A hub state with only the data position: every outstanding prompt given back, in
+    dispatch order, and the queue emptied (in-flight and queued work is generated again)."""
+    d, q = state["dispatcher"], state["queue"]
+    requeue = d["requeue"] + [k for k in d["outstanding"] if k not in d["requeue"]]
+    return {"dispatcher": {**d, "requeue": requeue, "outstanding": []},
+            "queue": {**q, "sequences": []}}

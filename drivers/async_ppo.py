@@ -12,10 +12,11 @@ Each token carries the version that produced it: a group whose oldest token is m
 dispatched again.  ``staleness_threshold=1`` is one-step-off training: the rollout for step
 t+1 runs while step t trains.
 
-The schedule is deterministic (a fixed number of decode steps per training step, prompts
-dispatched to the ranks in rank order), so an asynchronous run is reproducible bit for bit,
-across a resume too: a checkpoint cuts through everything that holds training data (see
-:class:`AsyncState`), between two steps, at a token boundary.
+Two schedules: ``free`` (the default), where each rollout rank generates on its own thread,
+and ``deterministic`` (a fixed number of decode steps per training step, prompts dispatched
+to the ranks in rank order), where an asynchronous run is reproducible bit for bit, across
+a resume too.  Either way a checkpoint cuts through everything that holds training data
+(see :class:`AsyncState`), between two steps, at a token boundary.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import ray
 import torch
 
-from drivers.async_hub import SampleHub
+from drivers.async_hub import SampleHub, without_work
 from drivers.groups import RPC
 from drivers.main_ppo import Trainer
 from drivers.verl_keys import fail
@@ -105,24 +106,20 @@ class AsyncState:
         ranks = t.groups["rollout"]
         inflight = [s for rank in state.get("inflight") or [] for s in rank]
         drop = t.opts["checkpoint.rollout_state"] == "drop" or state["rollout_state"] == "drop"
+        parts: list[list[dict[str, Any]]] = [[] for _ in ranks]
         if drop:  # in-flight and queued work is generated again
-            hub = state["hub"]
-            queued = hub["queue"]["sequences"]
-            lost = list(dict.fromkeys((s["epoch"], s["pid"]) for s in inflight + queued))
-            t.discarded_tokens = sum(len(s["tokens"]) for s in inflight + queued)
-            ray.get(t.hub.load.remote({**hub, "queue": {**hub["queue"], "sequences": []}},
-                                      drop=lost), timeout=RPC)
-            parts: list[list[dict[str, Any]]] = [[] for _ in ranks]
-        elif len(state["inflight"]) == len(ranks):
+            t.discarded_tokens = sum(len(s["tokens"])
+                                     for s in inflight + state["hub"]["queue"]["sequences"])
+            ray.get(t.hub.load.remote(without_work(state["hub"])), timeout=RPC)
+        else:
             ray.get(t.hub.load.remote(state["hub"]), timeout=RPC)
-            parts = state["inflight"]
-        else:  # resharded: whole prompts to the ranks in turn, in their saved order
-            ray.get(t.hub.load.remote(state["hub"]), timeout=RPC)
-            turn = {k: i % len(ranks) for i, k in enumerate(
-                dict.fromkeys((s["epoch"], s["pid"]) for s in inflight))}
-            parts = [[] for _ in ranks]
-            for s in inflight:
-                parts[turn[(s["epoch"], s["pid"])]].append(s)
+            if len(state["inflight"]) == len(ranks):
+                parts = state["inflight"]
+            else:  # resharded: whole prompts to the ranks in turn, in their saved order
+                turn = {k: i % len(ranks) for i, k in enumerate(
+                    dict.fromkeys((s["epoch"], s["pid"]) for s in inflight))}
+                for s in inflight:
+                    parts[turn[(s["epoch"], s["pid"])]].append(s)
         ray.get([w.stream_load.remote(p) for w, p in zip(ranks, parts, strict=True)], timeout=RPC)
         t.live = [len(p) for p in parts]
         if drop:
@@ -252,11 +249,8 @@ class AsyncTrainer(Trainer):
         self.batch_keys = [[g[0]["epoch"], g[0]["pid"]] for g in groups]
         return out
 
-    def sync_rollout(self) -> None:
-        weights = ray.get([w.full_weights.remote() for w in self.groups["actor"]], timeout=RPC)[0]
-        ref = ray.put(weights)
-        ray.get([w.set_weights.remote(ref, self.version, self.partial)
-                 for w in self.groups["rollout"]], timeout=RPC)
+    def sync_rollout(self, **how: Any) -> None:
+        super().sync_rollout(version=self.version, partial=self.partial, **how)
 
     def before_steps(self) -> None:
         """Free-running: each rollout rank starts generating on its own (after the load)."""

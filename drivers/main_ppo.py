@@ -143,10 +143,12 @@ class Trainer:
 
     # ---- pieces of a step ---------------------------------------------------------------
 
-    def sync_rollout(self) -> None:
+    def sync_rollout(self, **how: Any) -> None:
+        """The actor's weights to every rollout rank (``how``: more of ``set_weights``'s
+        arguments, as the asynchronous mode gives them)."""
         weights = ray.get([w.full_weights.remote() for w in self.groups["actor"]], timeout=RPC)[0]
         ref = ray.put(weights)
-        ray.get([w.set_weights.remote(ref) for w in self.groups["rollout"]], timeout=RPC)
+        ray.get([w.set_weights.remote(ref, **how) for w in self.groups["rollout"]], timeout=RPC)
 
     def check_rollout_synced(self) -> str:
         """After a load: every rollout rank must hold exactly the actor's weights."""
