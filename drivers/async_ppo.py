@@ -1,12 +1,12 @@
 """The RL job's asynchronous mode (``async_training.enable=true``): rollout beside training.
 
 Rollout ranks hold sequences in flight and advance them a token at a time
-(:mod:`workers.streaming`); prompts come from the dispatcher and finished sequences go to
-the sample queue (:mod:`drivers.async_hub`).  Each training step takes
-``data.train_batch_size`` complete GRPO groups from the queue, trains on them with the
-rollout's own log-probs as the behaviour policy, and meanwhile the rollout advances every
-sequence ``async_training.decode_steps_per_step`` tokens under the weights of the last
-sync; after the update the weights go to the rollout and the policy version advances.
+(:mod:`workers.streaming`, with either engine of :mod:`workers.engines`); prompts come from
+the dispatcher and finished sequences go to the sample queue (:mod:`drivers.async_hub`).
+Each training step takes ``data.train_batch_size`` complete GRPO groups from the queue,
+trains on them with the rollout's own log-probs as the behaviour policy, and meanwhile the
+rollout advances every sequence ``async_training.decode_steps_per_step`` tokens under the
+weights of the last sync; after the update the weights go to the rollout and the policy version advances.
 Each token carries the version that produced it: a group whose oldest token is more than
 ``async_training.staleness_threshold`` versions behind is dropped (counted) and its prompt
 dispatched again.  ``staleness_threshold=1`` is one-step-off training: the rollout for step
@@ -43,9 +43,6 @@ def check_async_options(opts: dict[str, Any]) -> None:
     if opts["algorithm.adv_estimator"] != "grpo":
         fail("async_training.enable=true trains GRPO groups from the sample queue: set "
              "algorithm.adv_estimator=grpo")
-    if opts["actor_rollout_ref.rollout.name"] != "hf":
-        fail("async_training.enable=true continues saved sequences token by token with the hf "
-             "rollout; actor_rollout_ref.rollout.name=vllm is not supported in this mode yet")
     if opts["async_training.schedule"] not in SCHEDULES:
         fail(f"async_training.schedule must be one of {SCHEDULES}, got "
              f"{opts['async_training.schedule']!r}")
@@ -135,6 +132,10 @@ class AsyncState:
 class AsyncTrainer(Trainer):
     def __init__(self, opts: dict[str, Any]) -> None:
         check_async_options(opts)
+        if opts["async_training.schedule"] == "deterministic":
+            # a token computed from a vLLM prefix cache's blocks is not bit for bit the token a
+            # resumed engine, whose cache is empty, computes: reproducible means no cache
+            opts = {**opts, "actor_rollout_ref.rollout.enable_prefix_caching": False}
         super().__init__(opts)
         self.version = 0  # weight syncs so far: the policy version the rollout samples with
         self.staleness = int(opts["async_training.staleness_threshold"])

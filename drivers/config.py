@@ -38,6 +38,8 @@ DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref.rollout.response_length": 8,
     "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,   # vllm on cuda
     "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5,     # vllm on cuda
+    "actor_rollout_ref.rollout.enable_prefix_caching": True,     # vllm (off in the async
+                                                                 # mode's deterministic schedule)
     "critic.model.path": None,                  # null: the actor's model with a value head
     "critic.optim.lr": 0.01,
     "reward_model.model.path": None,            # null: the actor's model with a value head

@@ -37,6 +37,7 @@ def fingerprint(opts: dict[str, Any], data_sha: int, rows: int) -> dict[str, Any
     # a checkpoint saved on cuda resumes on cpu (device-free on storage)
     free = ("actor_rollout_ref.actor.checkpoint.", "actor_rollout_ref.rollout.gpu_memory_utilization",
             "actor_rollout_ref.rollout.tensor_model_parallel_size",
+            "actor_rollout_ref.rollout.enable_prefix_caching",
             # how the asynchronous mode's rollout is scheduled, not what it trains on
             "async_training.schedule", "async_training.decode_steps_per_step")
     fp = {k: v for k, v in opts.items() if k.startswith(keep) and not k.startswith(free)}

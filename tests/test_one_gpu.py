@@ -23,7 +23,7 @@ from drivers.config import parse_overrides
 from drivers.groups import rank_resources
 from drivers.main_ppo import roles_of
 from workers.device import cuda_index
-from workers.rollout import generator_state, restore_generator, vllm_engine_args
+from workers.engines import generator_state, restore_generator, vllm_engine_args
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -247,7 +247,7 @@ def test_a_cuda_sampler_state_resumes_on_cpu_reproducibly():
 
 
 def test_the_hf_sampler_resumes_exactly_and_takes_a_gpu_checkpoint(capsys):
-    from workers.rollout import HFEngine
+    from workers.engines import HFEngine
 
     def engine():
         return HFEngine({}, 0, 1, 1.0, 4, torch.device("cpu"), {})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import random
 import shutil
 import subprocess
 import sys
@@ -49,3 +51,93 @@ def test_vllm_rollout_resumes_exactly_and_resyncs(tmp_path):
     synced = [e for e in rb[3]["ckpt_events"] if e.startswith("rollout weights re-synced")]
     # the engine was checked to serve exactly the actor's weights at the checkpoint
     assert synced and synced[0].split()[-1] == ra[2]["actor_weights_sha256"]
+
+
+# ---- the asynchronous job with the vLLM engine -----------------------------------------------
+
+def test_vllm_continues_a_saved_sequence_exactly_with_raw_logprobs(tmp_path):
+    """A token is one request of the prompt plus the tokens so far: a sequence saved after
+    two tokens continues on another rank (an engine with an empty cache) as it would have,
+    and the log-probs are the policy's own (temperature 1), as the trainer's behaviour policy."""
+    proc = subprocess.run([sys.executable, "-m", "tests.vllm_streams", str(tmp_path / "out.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    whole = {(d["pid"], d["sample"]): d for d in out["whole"]}
+    assert len(whole) == 6
+    assert out["saved"] and all(len(d["tokens"]) == 2 for d in out["saved"])
+    assert len(out["saved"]) + len(out["early"]) == 6
+    for d in out["rest"] + out["early"]:
+        expected = whole[(d["pid"], d["sample"])]
+        assert d["tokens"] == expected["tokens"]
+        assert d["logprobs"] == expected["logprobs"]
+    # only the tokens after the saved ones were generated after the load
+    assert out["generated_after_load"] == sum(len(d["tokens"]) - 2 for d in out["rest"])
+    for d, ref in zip(out["whole"], out["reference"], strict=True):
+        assert len(d["logprobs"]) == len(ref)
+        assert max(abs(a - b) for a, b in zip(d["logprobs"], ref, strict=True)) < 1e-4
+        assert out["pad"] not in d["tokens"]
+
+
+ASYNC = ["async_training.enable=true", "async_training.staleness_threshold=2",
+         "trainer.total_training_steps=5", "trainer.save_freq=1", "data.num_prompts=64"]
+SAME = ("loss", "reward", "kl", "actor_weights_sha256", "staleness_mean", "staleness_max",
+        "queue_depth", "in_flight", "policy_version", "batch_prompts")
+
+
+def async_run(root: Path, *args: str, crash: int | None = None) -> subprocess.CompletedProcess:
+    extra = [f"trainer.crash_at_step={crash}"] if crash else []
+    proc = subprocess.run([sys.executable, "-m", "drivers.main_ppo", *ARGS, *ASYNC,
+                           f"trainer.default_local_dir={root}", *args, *extra],
+                          capture_output=True, text=True, timeout=800)
+    if crash:
+        assert proc.returncode != 0 and max(records(root)) == crash, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def trained(ms: dict[int, dict], steps) -> list[tuple[int, int]]:
+    return [tuple(k) for s in steps for k in ms[s]["batch_prompts"]]
+
+
+# ~2 min: three runs of the job with a vLLM engine each
+@pytest.mark.long
+def test_async_vllm_job_killed_and_resumed_continues_bit_for_bit(tmp_path):
+    det = ["async_training.schedule=deterministic", "async_training.decode_steps_per_step=3"]
+    async_run(tmp_path / "a", *det)
+    a = records(tmp_path / "a")
+    crash = random.Random().choice([2, 3, 4])
+    print(f"SIGKILL after step {crash}")
+    b_root = tmp_path / "b"
+    async_run(b_root, *det, crash=crash)
+    before = records(b_root)
+    again = async_run(b_root, *det)
+    assert f"resumed from step_{crash:08d}" in again.stdout
+    b = records(b_root)
+    assert a[crash]["in_flight"] > 0  # sequences were in flight when it saved: prefilled
+    restored = [e for e in b[crash + 1]["ckpt_events"] if e.startswith("rollout state restored")]
+    assert restored and f"{a[crash]['in_flight']} sequences in flight" in restored[0]
+    for step in range(crash + 1, 6):
+        for key in SAME:
+            assert a[step][key] == b[step][key], (step, key)
+    # nothing saved was generated again
+    assert before[crash]["tokens_generated"] + b[5]["tokens_generated"] == a[5]["tokens_generated"]
+    assert len(set(trained(before, range(1, crash + 1)) + trained(b, range(crash + 1, 6)))) == 5 * 4
+
+
+# ~1.5 min: two runs, two vLLM engines generating on their own
+@pytest.mark.long
+def test_async_vllm_free_running_job_resumes_without_losing_or_repeating(tmp_path):
+    root = tmp_path / "run"
+    free = ["async_training.schedule=free", "rollout.n_gpus_per_node=2"]
+    async_run(root, *free, crash=3)
+    before = records(root)
+    again = async_run(root, *free)
+    assert "resumed from step_00000003" in again.stdout
+    after = records(root)
+    assert any(e.startswith("rollout state restored") for e in after[4]["ckpt_events"])
+    keys = trained(before, range(1, 4)) + trained(after, range(4, 6))
+    assert len(keys) == len(set(keys)) == 5 * 4  # no prompt trained twice
+    assert all(after[s]["staleness_max"] <= 2 for s in (4, 5))
+    assert all("rollout_pause_s" in c for c in after[5]["checkpoint_stats"])

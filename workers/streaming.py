@@ -7,9 +7,10 @@ of them by one token per :meth:`Streams.step`, and hands out the finished ones; 
 steps (a token boundary) its whole state is :meth:`Streams.state`, plain lists that a
 checkpoint stores and any rollout rank can take back (:meth:`Streams.load`).
 
-Sampling needs no per-rank generator: token ``t`` of a sequence is drawn with a generator
-seeded from ``(seed, epoch, prompt id, sample, t)``, so a sequence continues identically on
-whichever rank holds it after a resume, and two ranks never share a random stream.
+Sampling needs no per-rank generator: token ``t`` of a sequence is drawn with a seed made
+from ``(seed, epoch, prompt id, sample, t)`` (a torch generator's here, a vLLM request's in
+:class:`workers.engines.VLLMEngine`), so a sequence continues identically on whichever rank
+holds it after a resume, and two ranks never share a random stream.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class Sequence:
         missing = [k for k in FIELDS if k not in d]
         if missing:
             raise ValueError(f"an in-flight sequence without {missing}")
-        seq = cls(**{k: d[k] for k in FIELDS})
+        # the lists are copied: a sequence grows its own, never the caller's
+        seq = cls(**{k: list(d[k]) if isinstance(d[k], list) else d[k] for k in FIELDS})
         if not (len(seq.tokens) == len(seq.versions) == len(seq.logprobs)):
             raise ValueError(f"sequence {seq.key}: {len(seq.tokens)} tokens, {len(seq.versions)} "
                              f"versions, {len(seq.logprobs)} log-probs")
@@ -50,6 +52,11 @@ class Sequence:
     @property
     def key(self) -> tuple[int, int, int]:
         return (self.epoch, self.pid, self.sample)
+
+
+# An engine's token sampler: for each sequence, with its seed, the next token and its raw
+# (temperature-1) log-prob under the engine's weights.
+Sampler = Callable[[list[Sequence], list[int]], list[tuple[int, float]]]
 
 
 def token_seed(seed: int, seq: Sequence) -> int:
@@ -74,31 +81,51 @@ class Streams:
     def done(self, seq: Sequence) -> bool:
         return len(seq.tokens) >= self.max_new_tokens or bool(seq.tokens and seq.tokens[-1] == self.eos)
 
-    @torch.no_grad()
-    def step(self, net: torch.nn.Module, version: int) -> list[dict[str, Any]]:
-        """One token for every live sequence (sequences of equal length share a forward
-        pass, in admission order); returns the sequences that finished, in that order."""
-        by_length: dict[int, list[Sequence]] = {}
-        for seq in self.live:
-            by_length.setdefault(len(seq.prompt) + len(seq.tokens), []).append(seq)
-        for group in by_length.values():
-            ids = torch.tensor([s.prompt + s.tokens for s in group], dtype=torch.long,
-                               device=self.device)
-            logits = net(input_ids=ids).logits[:, -1].float()
-            logp = torch.log_softmax(logits, dim=-1)
-            probs = torch.softmax(logits / self.temperature, dim=-1)
-            if self.pad != self.eos:
-                probs[:, self.pad] = 0  # never pad mid-response
-            for i, seq in enumerate(group):
-                gen = torch.Generator(device=self.device).manual_seed(token_seed(self.seed, seq))
-                tok = int(torch.multinomial(probs[i], 1, generator=gen))
-                seq.tokens.append(tok)
-                seq.versions.append(version)
-                seq.logprobs.append(float(logp[i, tok]))
+    def step(self, model: torch.nn.Module | Sampler, version: int) -> list[dict[str, Any]]:
+        """One token for every live sequence, produced by policy ``version``; returns the
+        sequences that finished, in admission order.  ``model`` is the policy as a torch
+        module (sampled here) or an engine's :data:`Sampler` (vLLM's)."""
+        sample = self.torch_sampler(model) if isinstance(model, torch.nn.Module) else model
+        seeds = [token_seed(self.seed, seq) for seq in self.live]
+        drawn = sample(self.live, seeds) if self.live else []
+        if len(drawn) != len(self.live):
+            raise RuntimeError(f"the rollout engine sampled {len(drawn)} tokens for "
+                               f"{len(self.live)} sequences")
+        for seq, (tok, logp) in zip(self.live, drawn, strict=True):
+            seq.tokens.append(int(tok))
+            seq.versions.append(version)
+            seq.logprobs.append(float(logp))
         self.tokens_generated += len(self.live)
         finished = [s for s in self.live if self.done(s)]
         self.live = [s for s in self.live if not self.done(s)]
         return [asdict(s) for s in finished]
+
+    def torch_sampler(self, net: torch.nn.Module) -> Sampler:
+        """Sample with a torch module: sequences of equal length share a forward pass, each
+        token drawn from the temperature's distribution (never ``pad`` mid-response) with its
+        own seed, its log-prob the temperature-1 one."""
+
+        @torch.no_grad()
+        def sample(seqs: list[Sequence], seeds: list[int]) -> list[tuple[int, float]]:
+            out: list[tuple[int, float]] = [(0, 0.0)] * len(seqs)
+            by_length: dict[int, list[int]] = {}
+            for i, seq in enumerate(seqs):
+                by_length.setdefault(len(seq.prompt) + len(seq.tokens), []).append(i)
+            for group in by_length.values():
+                ids = torch.tensor([seqs[i].prompt + seqs[i].tokens for i in group],
+                                   dtype=torch.long, device=self.device)
+                logits = net(input_ids=ids).logits[:, -1].float()
+                logp = torch.log_softmax(logits, dim=-1)
+                probs = torch.softmax(logits / self.temperature, dim=-1)
+                if self.pad != self.eos:
+                    probs[:, self.pad] = 0  # never pad mid-response
+                for row, i in enumerate(group):
+                    gen = torch.Generator(device=self.device).manual_seed(seeds[i])
+                    tok = int(torch.multinomial(probs[row], 1, generator=gen))
+                    out[i] = (tok, float(logp[row, tok]))
+            return out
+
+        return sample
 
     def state(self) -> list[dict[str, Any]]:
         return [asdict(s) for s in self.live]
@@ -118,9 +145,9 @@ class FreeRunning:
     failure of the thread is raised by the next call.
     """
 
-    def __init__(self, streams: Streams, net: Callable[[], torch.nn.Module], hub: Any, *,
+    def __init__(self, streams: Streams, model: Callable[[], torch.nn.Module | Sampler], hub: Any, *,
                  per_rank: int, n: int, version: int, timeout_s: float) -> None:
-        self.streams, self.net, self.hub = streams, net, hub
+        self.streams, self.model, self.hub = streams, model, hub
         self.per_rank, self.n, self.version, self.timeout_s = per_rank, n, version, timeout_s
         self.lock = threading.Lock()
         self.stopped = threading.Event()
@@ -139,7 +166,7 @@ class FreeRunning:
             s.admit(ray.get(self.hub.dispatch.remote(room, self.version), timeout=self.timeout_s))
         if not s.live:
             return False
-        finished = s.step(self.net(), self.version)
+        finished = s.step(self.model(), self.version)
         if finished:  # inside the lock: a sequence is always in flight or in the queue
             ray.get(self.hub.push.remote(finished), timeout=self.timeout_s)
         return True
