@@ -12,6 +12,7 @@ prompt dispatched again.  Every state is plain lists and numbers (the checkpoint
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from typing import Any
 
@@ -24,20 +25,25 @@ Key = tuple[int, int]  # (epoch, prompt row)
 
 
 class Dispatcher:
-    def __init__(self, rows: int, *, seed: int, batch: int, staleness: int) -> None:
+    def __init__(self, rows: int, *, seed: int, batch: int, staleness: float,
+                 sync_every: int = 1) -> None:
         self.sampler = ResumableSampler(rows, seed=seed)
         self.batch, self.staleness = batch, staleness
+        self.per_version = batch * sync_every  # prompts the trainer takes under one version
         self.requeue: list[Key] = []  # given back, dispatched again before new prompts
         self.outstanding: list[Key] = []  # dispatched, not trained on, in dispatch order
         self.dispatched = 0
         self.consumed = 0
 
     def room(self, version: int) -> int:
-        """How many prompts may be dispatched under policy ``version``: the trainer takes a
-        batch per version, so a prompt dispatched now is trained by version
-        ``version + staleness`` only while no more than ``(version + staleness + 1)`` batches
-        have been dispatched (those given back are dispatched again, and count then)."""
-        return (version + self.staleness + 1) * self.batch - self.consumed - len(self.outstanding)
+        """How many prompts may be dispatched under policy ``version``: the trainer takes
+        ``sync_every`` batches per version (``trigger_parameter_sync_step``), so a prompt
+        dispatched now is trained by version ``version + staleness`` only while no more than
+        ``(version + staleness + 1) * sync_every`` batches have been dispatched (those given
+        back are dispatched again, and count then).  A fractional ``staleness`` (verl's
+        ``0.1``) lets that fraction of a version's batches out ahead."""
+        return (math.floor((version + self.staleness + 1) * self.per_version) - self.consumed
+                - len(self.outstanding))
 
     def dispatch(self, k: int, version: int) -> list[Key]:
         """Up to ``k`` prompts, fewer where the throttle (:meth:`room`) says so."""
@@ -111,11 +117,15 @@ class SampleHub:
     """Dispatcher and queue together: one actor, so that one call reads both consistently."""
 
     def __init__(self, prompts: list[list[int]], *, seed: int, n: int, batch: int,
-                 staleness: int) -> None:
+                 staleness: float, sync_every: int = 1) -> None:
         self.prompts = prompts  # token ids of each dataset row's prompt
-        self.dispatcher = Dispatcher(len(prompts), seed=seed, batch=batch, staleness=staleness)
+        self.dispatcher = Dispatcher(len(prompts), seed=seed, batch=batch, staleness=staleness,
+                                     sync_every=sync_every)
         self.queue = SampleQueue(n)
-        self.n, self.staleness = n, staleness
+        self.n = n
+        # versions a trained group may lag: a fraction of a version's batches let out ahead
+        # is trained under the next version at the latest
+        self.staleness = math.ceil(staleness)
 
     def dispatch(self, k: int, version: int) -> list[dict[str, Any]]:
         """The ``n`` new sequences of each of up to ``k`` prompts (see :meth:`Dispatcher.room`)."""

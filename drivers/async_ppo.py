@@ -6,11 +6,15 @@ the dispatcher and finished sequences go to the sample queue (:mod:`drivers.asyn
 Each training step takes ``data.train_batch_size`` complete GRPO groups from the queue,
 trains on them with the rollout's own log-probs as the behaviour policy, and meanwhile the
 rollout advances every sequence ``async_training.decode_steps_per_step`` tokens under the
-weights of the last sync; after the update the weights go to the rollout and the policy version advances.
-Each token carries the version that produced it: a group whose oldest token is more than
-``async_training.staleness_threshold`` versions behind is dropped (counted) and its prompt
-dispatched again.  ``staleness_threshold=1`` is one-step-off training: the rollout for step
-t+1 runs while step t trains.
+weights of the last sync; every ``async_training.trigger_parameter_sync_step`` updates the
+weights go to the rollout and the policy version advances (between two syncs the actor keeps
+the rollout's weights, for the checkpoint).  Each token carries the version that produced
+it: the dispatcher lets out no prompt that could only be trained on more than
+``async_training.staleness_threshold`` versions later (a fraction, as verl's ``0.1``, lets
+that fraction of a version's batches out ahead), and a group whose oldest token is further
+behind than that (rounded up) is dropped (counted) and its prompt dispatched again.
+``staleness_threshold=1`` is one-step-off training: the rollout for step t+1 runs while step
+t trains.
 
 Two schedules: ``free`` (the default), where each rollout rank generates on its own thread,
 and ``deterministic`` (a fixed number of decode steps per training step, prompts dispatched
@@ -46,10 +50,13 @@ def check_async_options(opts: dict[str, Any]) -> None:
     if opts["async_training.schedule"] not in SCHEDULES:
         fail(f"async_training.schedule must be one of {SCHEDULES}, got "
              f"{opts['async_training.schedule']!r}")
-    if opts["async_training.trigger_parameter_sync_step"] != 1:
-        fail("async_training.trigger_parameter_sync_step must be 1: a checkpoint between two "
-             "syncs would need the rollout's older weights, which it does not store yet")
-    if int(opts["async_training.staleness_threshold"]) < 0:
+    if int(opts["async_training.trigger_parameter_sync_step"]) < 1:
+        fail("async_training.trigger_parameter_sync_step must be >= 1 (training steps per sync)")
+    if opts["async_training.require_batches"] != 1:
+        fail("async_training.require_batches must be 1: a training step here is one update on "
+             "data.train_batch_size complete groups; several mini-batches per step (verl's "
+             "ppo_mini_batch_size x require_batches) are not implemented")
+    if float(opts["async_training.staleness_threshold"]) < 0:
         fail("async_training.staleness_threshold must be >= 0 (policy versions)")
     if (opts["async_training.decode_steps_per_step"] or 1) < 1:
         fail("async_training.decode_steps_per_step must be >= 1")
@@ -138,8 +145,10 @@ class AsyncTrainer(Trainer):
             opts = {**opts, "actor_rollout_ref.rollout.enable_prefix_caching": False}
         super().__init__(opts)
         self.version = 0  # weight syncs so far: the policy version the rollout samples with
-        self.staleness = int(opts["async_training.staleness_threshold"])
-        self.capacity = self.batch_size * (self.staleness + 1)  # prompts outstanding at most
+        self.staleness = float(opts["async_training.staleness_threshold"])
+        self.sync_every = int(opts["async_training.trigger_parameter_sync_step"])
+        # prompts outstanding at most: what the trainer takes under staleness + 1 versions
+        self.capacity = math.floor(self.batch_size * self.sync_every * (self.staleness + 1))
         self.decode_steps = (opts["async_training.decode_steps_per_step"]
                              or opts["actor_rollout_ref.rollout.response_length"])
         self.partial = bool(opts["async_training.partial_rollout"])
@@ -165,7 +174,8 @@ class AsyncTrainer(Trainer):
         self.per_rank = math.ceil(self.capacity / len(ranks)) * self.n  # sequences per rank
         self.hub = SampleHub.remote([self.vocab.prompt_ids(r["prompt"]) for r in self.rows],
                                     seed=self.opts["data.seed"], n=self.n,
-                                    batch=self.batch_size, staleness=self.staleness)
+                                    batch=self.batch_size, staleness=self.staleness,
+                                    sync_every=self.sync_every)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-rounds")
         self.generated = [0] * len(ranks)  # tokens each rank generated (deterministic schedule)
 
@@ -231,16 +241,22 @@ class AsyncTrainer(Trainer):
             start = len(s["prompt"]) - 1
             old[i, start:start + len(s["logprobs"])] = torch.tensor(s["logprobs"])
         out = self.update(batch, rewards, rule, old_logprobs=old)
+        syncs = step % self.sync_every == 0  # trigger_parameter_sync_step
         if beside is not None:
             beside.result(timeout=RPC)
-            if not self.partial:  # sequences in flight finish under the weights they began with
+            if syncs and not self.partial:  # in flight: finish under the weights they began with
                 while any(self.live):
                     self.rollout_round(admit=False)
         stale = [self.version - min(s["versions"]) for s in seqs]
-        self.version += 1
-        self.sync_rollout()  # free-running ranks apply it at a token boundary (or drain first)
+        policy = self.version
+        if syncs:
+            self.version += 1
+            if self.sync_every > 1:  # the actor keeps them: the rollout's until the next sync
+                ray.get([w.keep_rollout_weights.remote() for w in self.groups["actor"]],
+                        timeout=RPC)
+            self.sync_rollout()  # free-running ranks apply it at a token boundary (or drain first)
         counters = ray.get(self.hub.counters.remote(), timeout=RPC)
-        out.update(policy_version=self.version - 1, staleness_mean=sum(stale) / len(stale),
+        out.update(policy_version=policy, staleness_mean=sum(stale) / len(stale),
                    staleness_max=max(stale), dropped_groups=counters["dropped_groups"],
                    queue_depth=counters["queue_depth"],
                    in_flight=counters["outstanding"] * self.n - counters["queue_depth"],
@@ -252,6 +268,9 @@ class AsyncTrainer(Trainer):
 
     def sync_rollout(self, **how: Any) -> None:
         super().sync_rollout(version=self.version, partial=self.partial, **how)
+
+    def rollout_weights(self) -> dict[str, Any]:
+        return {"rollout": True} if self.sync_every > 1 else {}
 
     def before_steps(self) -> None:
         """Free-running: each rollout rank starts generating on its own (after the load)."""

@@ -78,8 +78,11 @@ DEFAULTS: dict[str, Any] = {
     # has them): rollout ranks generate token by token beside training, into a sample queue
     "async_training.enable": False,
     "async_training.staleness_threshold": 1,    # most policy versions a trained sample's
-                                                # oldest token may lag (1: one step off)
+                                                # oldest token may lag (1: one step off; a
+                                                # fraction, as verl's 0.1: that share of a
+                                                # version's batches generated ahead)
     "async_training.trigger_parameter_sync_step": 1,  # training steps per weight sync
+    "async_training.require_batches": 1,        # 1 only: a step is one update on a batch
     "async_training.partial_rollout": True,     # in flight at a sync: continue under the new
                                                 # weights (false: finish under the old ones)
     "async_training.schedule": "free",          # free: rollout ranks generate on their own;

@@ -79,6 +79,7 @@ def role_specs(opts: dict[str, Any], roles: list[str], total_steps: int) -> dict
 
     specs: dict[str, tuple[Any, dict[str, Any]]] = {
         "actor": (PolicyWorker, {"model": model, "seed": seed, "trainable": True,
+                                 "rollout_weights": rollout_lags(opts),
                                  "optim": {"lr": opts["actor_rollout_ref.actor.optim.lr"],
                                            "end_factor": opts["actor_rollout_ref.actor.optim.end_factor"],
                                            "total_steps": total_steps}}),
@@ -95,6 +96,13 @@ def role_specs(opts: dict[str, Any], roles: list[str], total_steps: int) -> dict
                                   "optim": {"lr": opts["critic.optim.lr"], "total_steps": total_steps}}),
     }
     return {role: (cls, {**kwargs, **common}) for role, (cls, kwargs) in specs.items() if role in roles}
+
+
+def rollout_lags(opts: dict[str, Any]) -> bool:
+    """Whether the rollout samples with weights older than the actor's between two syncs
+    (the asynchronous mode with ``trigger_parameter_sync_step > 1``): the actor keeps them."""
+    return bool(opts.get("async_training.enable")
+                and int(opts.get("async_training.trigger_parameter_sync_step") or 1) > 1)
 
 
 def placements(opts: dict[str, Any], roles: list[str], worlds: dict[str, int],

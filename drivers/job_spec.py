@@ -39,7 +39,8 @@ def fingerprint(opts: dict[str, Any], data_sha: int, rows: int) -> dict[str, Any
             "actor_rollout_ref.rollout.tensor_model_parallel_size",
             "actor_rollout_ref.rollout.enable_prefix_caching",
             # how the asynchronous mode's rollout is scheduled, not what it trains on
-            "async_training.schedule", "async_training.decode_steps_per_step")
+            "async_training.schedule", "async_training.decode_steps_per_step",
+            "async_training.require_batches")  # 1 only
     fp = {k: v for k, v in opts.items() if k.startswith(keep) and not k.startswith(free)}
     fp["data.sha256"], fp["data.rows"] = data_sha, rows
     return fp

@@ -143,16 +143,23 @@ class Trainer:
 
     # ---- pieces of a step ---------------------------------------------------------------
 
+    def rollout_weights(self) -> dict[str, Any]:
+        """Which of the actor's weights the rollout samples with: its own (``{}``), or
+        (the asynchronous mode) those of the last sync (``{"rollout": True}``)."""
+        return {}
+
     def sync_rollout(self, **how: Any) -> None:
         """The actor's weights to every rollout rank (``how``: more of ``set_weights``'s
         arguments, as the asynchronous mode gives them)."""
-        weights = ray.get([w.full_weights.remote() for w in self.groups["actor"]], timeout=RPC)[0]
+        weights = ray.get([w.full_weights.remote(**self.rollout_weights())
+                           for w in self.groups["actor"]], timeout=RPC)[0]
         ref = ray.put(weights)
         ray.get([w.set_weights.remote(ref, **how) for w in self.groups["rollout"]], timeout=RPC)
 
     def check_rollout_synced(self) -> str:
-        """After a load: every rollout rank must hold exactly the actor's weights."""
-        actor = ray.get([w.weights_sha256.remote() for w in self.groups["actor"]], timeout=RPC)[0]
+        """After a load: every rollout rank must hold exactly the weights it was synced."""
+        actor = ray.get([w.weights_sha256.remote(**self.rollout_weights())
+                         for w in self.groups["actor"]], timeout=RPC)[0]
         rollout = ray.get([w.weights_sha256.remote() for w in self.groups["rollout"]], timeout=RPC)
         if any(r != actor for r in rollout):
             raise RuntimeError(f"rollout weights {rollout} differ from the actor's {actor} after sync")

@@ -126,6 +126,29 @@ def test_a_damaged_rollout_state_falls_back_to_the_checkpoint_before(ray_head, t
     assert "rollout_state.json" in again.stdout + again.stderr
 
 
+def test_weights_synced_every_two_steps_a_save_between_syncs_resumes_bit_for_bit(ray_head, tmp_path):
+    """``trigger_parameter_sync_step=2``: a checkpoint of an odd step holds the rollout's
+    weights of the step before (the last sync), which are no longer the actor's."""
+    common = ["trainer.total_training_steps=6", "trainer.save_freq=1",
+              "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=1"]
+    run(ray_head, tmp_path / "a", *common)
+    a = metrics(tmp_path / "a")
+    assert [a[s]["policy_version"] for s in range(1, 7)] == [0, 0, 1, 1, 2, 2]
+    assert all(a[s]["staleness_max"] <= 1 for s in range(1, 7))
+    root = tmp_path / "b"
+    run(ray_head, root, *common, "trainer.crash_at_step=3", ok=False)
+    again = run(ray_head, root, *common)
+    assert resumed_at(again) == 3
+    b = metrics(root)
+    synced = [e for e in b[4]["ckpt_events"] if e.startswith("rollout weights re-synced")]
+    # the rollout got the weights of step 2's sync back, not the actor's of step 3
+    assert synced and synced[0].split()[-1] == a[2]["actor_weights_sha256"]
+    assert a[2]["actor_weights_sha256"] != a[3]["actor_weights_sha256"]
+    for step in range(4, 7):
+        for key in SAME:
+            assert a[step][key] == b[step][key], (step, key)
+
+
 def rollout_doc(root: Path, step: int) -> dict:
     return json.loads((root / f"step_{step:08d}" / "rollout_state.json").read_bytes())
 

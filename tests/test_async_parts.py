@@ -85,6 +85,23 @@ def test_the_dispatcher_throttles_to_the_staleness_bound_and_gives_back_first():
     assert again.dispatch(1, version=5) == d.dispatch(1, version=5)
 
 
+def test_a_sync_every_k_steps_lets_k_batches_per_version_out():
+    # trigger_parameter_sync_step=3: the trainer takes 3 batches under each version
+    d = Dispatcher(100, seed=0, batch=2, staleness=1, sync_every=3)
+    first = d.dispatch(100, version=0)
+    assert len(first) == (0 + 1 + 1) * 3 * 2
+    d.consume(first[:6])  # three steps under version 0, then the sync
+    assert d.dispatch(100, version=0) == []
+    assert len(d.dispatch(100, version=1)) == 6
+
+
+def test_a_fractional_staleness_lets_that_share_of_a_version_out_ahead():
+    # verl's staleness_threshold=0.5: half a version's batches generated ahead
+    d = Dispatcher(100, seed=0, batch=4, staleness=0.5, sync_every=2)
+    assert len(d.dispatch(100, version=0)) == 12  # (1 + 0.5) * 2 batches of 4
+    assert len(d.dispatch(100, version=1)) == 8
+
+
 def test_an_epoch_is_dispatched_once_whatever_is_given_back():
     d = Dispatcher(6, seed=3, batch=2, staleness=0)
     taken: list[tuple[int, int]] = []
@@ -113,3 +130,24 @@ def test_the_queue_hands_out_complete_groups_only():
     again = SampleQueue(n=2)
     again.load(state)
     assert again.complete() == q.complete() and again.depth() == 4
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"algorithm.adv_estimator": "gae"}, "set algorithm.adv_estimator=grpo"),
+    ({"async_training.require_batches": 2}, "require_batches must be 1"),
+    ({"async_training.trigger_parameter_sync_step": 0}, "trigger_parameter_sync_step must be >= 1"),
+    ({"async_training.staleness_threshold": -1}, "staleness_threshold must be >= 0"),
+    ({"async_training.schedule": "eager"}, "schedule must be one of"),
+    ({"checkpoint.rollout_state": "some"}, "rollout_state must be one of"),
+])
+def test_the_async_options_it_does_not_implement_are_refused_in_one_line(change, message):
+    from drivers.async_ppo import check_async_options
+    from drivers.config import DEFAULTS
+
+    opts = {**DEFAULTS, "algorithm.adv_estimator": "grpo", "checkpoint.rollout_state": "full",
+            "async_training.enable": True}
+    check_async_options({**opts, "actor_rollout_ref.rollout.name": "vllm",
+                         "async_training.trigger_parameter_sync_step": 4,
+                         "async_training.staleness_threshold": 0.1})  # all accepted
+    with pytest.raises(SystemExit, match=message):
+        check_async_options({**opts, **change})

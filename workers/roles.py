@@ -9,11 +9,15 @@ moved to the rank's device, and results go back on cpu.
 
 from __future__ import annotations
 
+from typing import Any
+
 import ray
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from workers.device import to_device, to_host
-from workers.models import Vocab, token_logprobs
+from workers.models import Vocab, state_sha256, token_logprobs
 from workers.sharded import ShardedModelWorker
 
 
@@ -23,7 +27,67 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @ray.remote
 class PolicyWorker(ShardedModelWorker):
-    """The actor (trainable) or the reference policy (``trainable=False``)."""
+    """The actor (trainable) or the reference policy (``trainable=False``).
+
+    ``rollout_weights=True`` (the asynchronous job syncing the rollout every
+    ``trigger_parameter_sync_step > 1`` steps): between two syncs the rollout samples with
+    the weights of the last one, no longer the actor's, so the actor keeps a copy of its
+    shard of them (:meth:`keep_rollout_weights`, one more copy of the shard in the rank's
+    memory) and its checkpoints hold it beside the model (``"rollout_model"``, sharded like
+    the model); a resume syncs the rollout from it.
+    """
+
+    def __init__(self, *, rollout_weights: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.rollout_weights: dict[str, torch.Tensor] | None = None
+        if rollout_weights:
+            self.keep_rollout_weights()  # the initial weights are version 0's
+
+    def keep_rollout_weights(self) -> None:
+        """The weights just synced to the rollout: a copy of this rank's shard of them."""
+        self.ckpt_wait_copy()  # an overlapped save may still be copying the kept ones
+        with torch.no_grad():
+            model = self._state_dicts.model_state_dict()
+            kept = self.rollout_weights
+            if kept is None or kept.keys() != model.keys():
+                self.rollout_weights = {k: v.detach().clone() for k, v in model.items()}
+            else:  # in place: a checkpoint's state dict holds these very tensors
+                for k, v in model.items():
+                    kept[k].copy_(v)
+
+    def _weights(self, rollout: bool) -> dict[str, torch.Tensor]:
+        if not rollout:
+            return get_model_state_dict(self.net, options=StateDictOptions(full_state_dict=True))
+        if self.rollout_weights is None:
+            raise RuntimeError("this actor keeps no rollout weights (rollout_weights=False)")
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v  # collective: every rank
+                for k, v in self.rollout_weights.items()}
+
+    def full_weights(self, rollout: bool = False) -> dict[str, torch.Tensor] | None:
+        """The unsharded weights on rank 0 (None elsewhere); ``rollout``: those of the last
+        sync to the rollout (:meth:`keep_rollout_weights`)."""
+        if not rollout:
+            return super().full_weights()
+        full = {k: v.cpu() for k, v in self._weights(True).items()}
+        return full if self.rank == 0 else None
+
+    def weights_sha256(self, rollout: bool = False) -> str:
+        return state_sha256(self._weights(rollout))
+
+    def ckpt_state_dict(self, kind: str) -> dict[str, Any]:
+        state = super().ckpt_state_dict(kind)
+        if self.rollout_weights is not None:
+            state["rollout_model"] = dict(self.rollout_weights)
+        return state
+
+    def ckpt_load_state_dict(self, state: dict[str, Any], kind: str) -> None:
+        super().ckpt_load_state_dict(state, kind)
+        loaded, kept = state.get("rollout_model"), self.rollout_weights
+        if loaded is not None and kept is not None:
+            with torch.no_grad():
+                for k, v in loaded.items():
+                    if v is not kept[k]:  # a load fills the kept tensors in place
+                        kept[k].copy_(v)
 
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return to_host(self._logprobs(to_device(batch, self.device)))
