@@ -1,6 +1,6 @@
 """What an asynchronous RL job loses to a crash: with the rollout state, and without.
 
-    python -m bench.async_resume [--steps 8] [--kills 3,5,7] [--json PATH]
+    python -m bench.async_resume [--steps 8] [--kills 3,5,7] [--engine hf|vllm] [--json PATH]
 
 Runs ``drivers.main_ppo`` in its asynchronous mode (deterministic schedule: the same run
 every time; 2 rollout ranks, 3 decode steps per training step, so sequences are in flight at
@@ -12,6 +12,8 @@ queued), the tokens thrown away at the resume (generated again), and the tokens 
 generated in all to reach the last step beyond the straight run's; then, over every save
 of the runs, the rollout's pause per save (copying its state at a token boundary) against
 the trainer's blocked time, for the deterministic and the free-running schedules.
+``--engine vllm``: the rollout is a vLLM engine per rank (a saved sequence continues by
+prefilling its prompt and tokens).
 Absolute times mean little off a GPU; the token counts are exact.
 """
 
@@ -35,8 +37,11 @@ COMMON = ["async_training.enable=true", "async_training.schedule=deterministic",
           "actor_rollout_ref.rollout.n=4", "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=3"]
 
 
+ENGINE: list[str] = []  # the rollout engine's key, when not the default
+
+
 def job(root: str, steps: int, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "drivers.main_ppo", *COMMON,
+    proc = subprocess.run([sys.executable, "-m", "drivers.main_ppo", *COMMON, *ENGINE,
                            f"trainer.total_training_steps={steps}",
                            f"trainer.default_local_dir={root}", *extra],
                           capture_output=True, text=True, timeout=1800)
@@ -70,8 +75,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--kills", default="3,5,7")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    ENGINE[:] = [f"actor_rollout_ref.rollout.name={args.engine}"]
     kills = [int(k) for k in args.kills.split(",")]
     rows, timing = [], {"deterministic": [], "free": []}
     with tempfile.TemporaryDirectory(prefix="rc-async-resume-") as tmp:
@@ -124,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for sched, s in summary.items():
         print(f"| {sched} | {s['saves']} | {s['rollout_pause_ms']:.2f} ms | "
               f"{s['trainer_blocked_ms']:.1f} ms |")
-    result = {"kills": rows, "pause": summary}
+    result = {"engine": args.engine, "kills": rows, "pause": summary}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
