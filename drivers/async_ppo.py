@@ -3,8 +3,9 @@
 Rollout ranks hold sequences in flight and advance them a token at a time
 (:mod:`workers.streaming`, with either engine of :mod:`workers.engines`); prompts come from
 the dispatcher and finished sequences go to the sample queue (:mod:`drivers.async_hub`).
-Each training step takes ``data.train_batch_size`` complete GRPO groups from the queue,
-trains on them with the rollout's own log-probs as the behaviour policy, and meanwhile the
+Each training step takes ``data.train_batch_size`` complete GRPO groups from the queue
+(``async_training.require_batches`` times that, one update on each), trains on them with
+the rollout's own log-probs as the behaviour policy, and meanwhile the
 rollout advances every sequence ``async_training.decode_steps_per_step`` tokens under the
 weights of the last sync; every ``async_training.trigger_parameter_sync_step`` updates the
 weights go to the rollout and the policy version advances (between two syncs the actor keeps
@@ -52,10 +53,8 @@ def check_async_options(opts: dict[str, Any]) -> None:
              f"{opts['async_training.schedule']!r}")
     if int(opts["async_training.trigger_parameter_sync_step"]) < 1:
         fail("async_training.trigger_parameter_sync_step must be >= 1 (training steps per sync)")
-    if opts["async_training.require_batches"] != 1:
-        fail("async_training.require_batches must be 1: a training step here is one update on "
-             "data.train_batch_size complete groups; several mini-batches per step (verl's "
-             "ppo_mini_batch_size x require_batches) are not implemented")
+    if int(opts["async_training.require_batches"]) < 1:
+        fail("async_training.require_batches must be >= 1 (mini-batches per training step)")
     if float(opts["async_training.staleness_threshold"]) < 0:
         fail("async_training.staleness_threshold must be >= 0 (policy versions)")
     if (opts["async_training.decode_steps_per_step"] or 1) < 1:
@@ -148,7 +147,9 @@ class AsyncTrainer(Trainer):
         self.staleness = float(opts["async_training.staleness_threshold"])
         self.sync_every = int(opts["async_training.trigger_parameter_sync_step"])
         # prompts outstanding at most: what the trainer takes under staleness + 1 versions
-        self.capacity = math.floor(self.batch_size * self.sync_every * (self.staleness + 1))
+        # verl's require_batches: a step takes that many batches, one update on each
+        self.step_prompts = self.batch_size * int(opts["async_training.require_batches"])
+        self.capacity = math.floor(self.step_prompts * self.sync_every * (self.staleness + 1))
         self.decode_steps = (opts["async_training.decode_steps_per_step"]
                              or opts["actor_rollout_ref.rollout.response_length"])
         self.partial = bool(opts["async_training.partial_rollout"])
@@ -174,7 +175,7 @@ class AsyncTrainer(Trainer):
         self.per_rank = math.ceil(self.capacity / len(ranks)) * self.n  # sequences per rank
         self.hub = SampleHub.remote([self.vocab.prompt_ids(r["prompt"]) for r in self.rows],
                                     seed=self.opts["data.seed"], n=self.n,
-                                    batch=self.batch_size, staleness=self.staleness,
+                                    batch=self.step_prompts, staleness=self.staleness,
                                     sync_every=self.sync_every)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-rounds")
         self.generated = [0] * len(ranks)  # tokens each rank generated (deterministic schedule)
@@ -203,16 +204,17 @@ class AsyncTrainer(Trainer):
         return len(busy)
 
     def take_batch(self) -> dict[str, Any]:
-        """``data.train_batch_size`` complete groups: in the deterministic schedule decoding
-        (blocking) until there are, free-running waiting for the ranks to finish them."""
+        """A step's complete groups (``data.train_batch_size x require_batches``): in the
+        deterministic schedule decoding (blocking) until there are, free-running waiting for
+        the ranks to finish them."""
         deadline = time.monotonic() + RPC
         while True:
-            got = ray.get(self.hub.take.remote(self.batch_size, self.version), timeout=RPC)
+            got = ray.get(self.hub.take.remote(self.step_prompts, self.version), timeout=RPC)
             if got is not None:
                 return got
             if self.free:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"no batch of {self.batch_size} complete groups in {RPC}s")
+                    raise TimeoutError(f"no batch of {self.step_prompts} complete groups in {RPC}s")
                 ray.get([w.stream_check.remote() for w in self.groups["rollout"]], timeout=RPC)
                 time.sleep(0.005)
             elif not self.rollout_round():
@@ -232,15 +234,11 @@ class AsyncTrainer(Trainer):
         # the rollout advances beside the update, under the weights of the last sync
         beside = None if self.free else self.pool.submit(self.rollout_rounds, self.decode_steps)
         seqs = [s for g in groups for s in g]
-        prompts = [g[0]["prompt"] for g in groups]
-        batch, rewards, rule = self.score(prompts, [s["tokens"] for s in seqs],
-                                          [self.rows[g[0]["pid"]]["target"] for g in groups
-                                           for _ in g])
-        old = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
-        for i, s in enumerate(seqs):
-            start = len(s["prompt"]) - 1
-            old[i, start:start + len(s["logprobs"])] = torch.tensor(s["logprobs"])
-        out = self.update(batch, rewards, rule, old_logprobs=old)
+        # require_batches mini-batches of data.train_batch_size groups, one update each
+        parts = [self.train_on(groups[i:i + self.batch_size], last=i + self.batch_size >= len(groups))
+                 for i in range(0, len(groups), self.batch_size)]
+        out = {k: sum(p[k] for p in parts) / len(parts) for k in ("loss", "kl", "reward", "rule_reward")}
+        out["lr"] = parts[-1]["lr"]
         syncs = step % self.sync_every == 0  # trigger_parameter_sync_step
         if beside is not None:
             beside.result(timeout=RPC)
@@ -265,6 +263,19 @@ class AsyncTrainer(Trainer):
             out["tokens_generated"] = sum(self.generated)
         self.batch_keys = [[g[0]["epoch"], g[0]["pid"]] for g in groups]
         return out
+
+    def train_on(self, groups: list[list[dict[str, Any]]], *, last: bool) -> dict[str, Any]:
+        """One update on complete groups, the rollout's log-probs the behaviour policy's."""
+        seqs = [s for g in groups for s in g]
+        prompts = [g[0]["prompt"] for g in groups]
+        batch, rewards, rule = self.score(prompts, [s["tokens"] for s in seqs],
+                                          [self.rows[g[0]["pid"]]["target"] for g in groups
+                                           for _ in g])
+        old = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+        for i, s in enumerate(seqs):
+            start = len(s["prompt"]) - 1
+            old[i, start:start + len(s["logprobs"])] = torch.tensor(s["logprobs"])
+        return self.update(batch, rewards, rule, old_logprobs=old, last=last)
 
     def sync_rollout(self, **how: Any) -> None:
         super().sync_rollout(version=self.version, partial=self.partial, **how)

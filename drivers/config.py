@@ -82,7 +82,8 @@ DEFAULTS: dict[str, Any] = {
                                                 # fraction, as verl's 0.1: that share of a
                                                 # version's batches generated ahead)
     "async_training.trigger_parameter_sync_step": 1,  # training steps per weight sync
-    "async_training.require_batches": 1,        # 1 only: a step is one update on a batch
+    "async_training.require_batches": 1,        # batches of train_batch_size groups per
+                                                # step, one update on each (LR: once a step)
     "async_training.partial_rollout": True,     # in flight at a sync: continue under the new
                                                 # weights (false: finish under the old ones)
     "async_training.schedule": "free",          # free: rollout ranks generate on their own;

@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from drivers import data
-from drivers.config import from_mapping, storage_options
+from drivers.config import DEFAULTS, from_mapping, storage_options
 from raycheckpoint import ResumableSampler
+from raycheckpoint.resume import ABSENT
 
 
 class DataState:
@@ -28,6 +29,13 @@ class DataState:
         self.sampler.load_state_dict(state["sampler"])
 
 
+# keys of the fingerprint that earlier releases' checkpoints may lack (their default is
+# what those checkpoints did)
+LATER_KEYS = ("async_training.enable", "async_training.staleness_threshold",
+              "async_training.trigger_parameter_sync_step", "async_training.partial_rollout",
+              "async_training.require_batches")
+
+
 def fingerprint(opts: dict[str, Any], data_sha: int, rows: int) -> dict[str, Any]:
     """What must not change across a strict resume (seed 003's checklist)."""
     keep = ("actor_rollout_ref.model.", "algorithm.", "actor_rollout_ref.rollout.",
@@ -39,10 +47,11 @@ def fingerprint(opts: dict[str, Any], data_sha: int, rows: int) -> dict[str, Any
             "actor_rollout_ref.rollout.tensor_model_parallel_size",
             "actor_rollout_ref.rollout.enable_prefix_caching",
             # how the asynchronous mode's rollout is scheduled, not what it trains on
-            "async_training.schedule", "async_training.decode_steps_per_step",
-            "async_training.require_batches")  # 1 only
+            "async_training.schedule", "async_training.decode_steps_per_step")
     fp = {k: v for k, v in opts.items() if k.startswith(keep) and not k.startswith(free)}
     fp["data.sha256"], fp["data.rows"] = data_sha, rows
+    # checkpoints written before a key existed resume as if they held its default
+    fp[ABSENT] = {k: DEFAULTS[k] for k in LATER_KEYS}
     return fp
 
 

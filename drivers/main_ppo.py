@@ -198,9 +198,11 @@ class Trainer:
         return out
 
     def update(self, batch: dict[str, torch.Tensor], rewards: torch.Tensor, rule: list[float], *,
-               old_logprobs: torch.Tensor | None = None, ride: Any = None) -> dict[str, Any]:
+               old_logprobs: torch.Tensor | None = None, ride: Any = None,
+               last: bool = True) -> dict[str, Any]:
         """Advantages, the critic's and the actor's updates on ``batch``; the step's metrics.
-        ``old_logprobs``: the behaviour policy's (the rollout's), else the actor's own."""
+        ``old_logprobs``: the behaviour policy's (the rollout's), else the actor's own.
+        ``last=False``: a mini-batch before the step's last (the LR schedule stays)."""
         o = self.opts
         ref_lp = torch.cat(ray.get(per_rank(self.groups["reference"], "logprobs", batch), timeout=RPC))
         mask = batch["response_mask"]
@@ -217,7 +219,8 @@ class Trainer:
         extra = {"advantages": adv, "ref_logprobs": ref_lp}
         if old_logprobs is not None:
             extra["old_logprobs"] = old_logprobs
-        upd = per_rank(self.groups["actor"], "update", batch, extra,
+        more = {} if last else {"step_scheduler": False}
+        upd = per_rank(self.groups["actor"], "update", batch, extra, **more,
                        clip=o["actor_rollout_ref.actor.clip_ratio"],
                        kl_coef=o["actor_rollout_ref.actor.kl_loss_coef"]
                        if o["actor_rollout_ref.actor.use_kl_loss"] else 0.0)

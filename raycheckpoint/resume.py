@@ -33,10 +33,20 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# A fingerprint's entry naming, for keys a job added in a later release, the value their
+# absence stands for: a checkpoint written before a key existed compares as if it held that
+# value (``{ABSENT: {"async.enable": False}}``), so adding a key does not refuse it.
+ABSENT = "absent_means"
+
+
 def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """Every key whose value differs, as ``(key, saved, current)``; missing shows as None."""
-    a, b = flatten(saved), flatten(current)
-    return [(k, a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    """Every key whose value differs, as ``(key, saved, current)``; missing shows as None,
+    and compares as the value either fingerprint's :data:`ABSENT` entry gives it."""
+    absent = {**(saved.get(ABSENT) or {}), **(current.get(ABSENT) or {})}
+    a = flatten({k: v for k, v in saved.items() if k != ABSENT})
+    b = flatten({k: v for k, v in current.items() if k != ABSENT})
+    return [(k, a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys())
+            if a.get(k, absent.get(k)) != b.get(k, absent.get(k))]
 
 
 def resume_differences(ck: VerifiedCheckpoint, fingerprint: dict[str, Any],

@@ -128,12 +128,17 @@ def test_a_damaged_rollout_state_falls_back_to_the_checkpoint_before(ray_head, t
 
 def test_weights_synced_every_two_steps_a_save_between_syncs_resumes_bit_for_bit(ray_head, tmp_path):
     """``trigger_parameter_sync_step=2``: a checkpoint of an odd step holds the rollout's
-    weights of the step before (the last sync), which are no longer the actor's."""
+    weights of the step before (the last sync), which are no longer the actor's.  With
+    ``require_batches=2`` each step trains on two batches, one update each."""
     common = ["trainer.total_training_steps=6", "trainer.save_freq=1",
-              "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=1"]
+              "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=1",
+              "async_training.require_batches=2"]
     run(ray_head, tmp_path / "a", *common)
     a = metrics(tmp_path / "a")
     assert [a[s]["policy_version"] for s in range(1, 7)] == [0, 0, 1, 1, 2, 2]
+    assert all(len(a[s]["batch_prompts"]) == 2 * 4 for s in range(1, 7))
+    # the LR schedule (0.01 down to half over 6 steps) advances once per step, not per update
+    assert all(abs(a[s]["lr"] - 0.01 * (1 - 0.5 * s / 6)) < 1e-6 for s in range(1, 7))
     assert all(a[s]["staleness_max"] <= 1 for s in range(1, 7))
     root = tmp_path / "b"
     run(ray_head, root, *common, "trainer.crash_at_step=3", ok=False)

@@ -134,7 +134,7 @@ def test_the_queue_hands_out_complete_groups_only():
 
 @pytest.mark.parametrize("change, message", [
     ({"algorithm.adv_estimator": "gae"}, "set algorithm.adv_estimator=grpo"),
-    ({"async_training.require_batches": 2}, "require_batches must be 1"),
+    ({"async_training.require_batches": 0}, "require_batches must be >= 1"),
     ({"async_training.trigger_parameter_sync_step": 0}, "trigger_parameter_sync_step must be >= 1"),
     ({"async_training.staleness_threshold": -1}, "staleness_threshold must be >= 0"),
     ({"async_training.schedule": "eager"}, "schedule must be one of"),
@@ -148,6 +148,19 @@ def test_the_async_options_it_does_not_implement_are_refused_in_one_line(change,
             "async_training.enable": True}
     check_async_options({**opts, "actor_rollout_ref.rollout.name": "vllm",
                          "async_training.trigger_parameter_sync_step": 4,
-                         "async_training.staleness_threshold": 0.1})  # all accepted
+                         "async_training.staleness_threshold": 0.1,
+                         "async_training.require_batches": 2})  # all accepted
     with pytest.raises(SystemExit, match=message):
         check_async_options({**opts, **change})
+
+
+def test_a_synchronous_jobs_checkpoint_from_before_the_async_keys_still_resumes():
+    from drivers.config import DEFAULTS
+    from drivers.job_spec import fingerprint
+    from raycheckpoint.resume import ABSENT, config_diff
+
+    now = fingerprint(dict(DEFAULTS), data_sha=7, rows=64)
+    before = {k: v for k, v in now.items() if not k.startswith("async_training.") and k != ABSENT}
+    assert config_diff(before, now) == []
+    on = fingerprint({**DEFAULTS, "async_training.enable": True}, data_sha=7, rows=64)
+    assert [d[0] for d in config_diff(before, on)] == ["async_training.enable"]

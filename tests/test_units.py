@@ -23,7 +23,7 @@ from raycheckpoint.policy.retention import DEFAULT_KEEP_LAST_N_LIGHT, RetentionP
 from raycheckpoint.protocol.checkpoint import check_version
 from raycheckpoint.protocol.format import Manifest, Marker, RoleLayout, json_bytes
 from raycheckpoint.protocol.paths import parse_step_dir, step_dir_name, validate_tag
-from raycheckpoint.resume import config_diff
+from raycheckpoint.resume import ABSENT, config_diff
 from raycheckpoint.state import decode_loader_state, encode_loader_state
 from raycheckpoint.storage import FileEntry
 
@@ -151,6 +151,16 @@ def test_config_diff_lists_every_difference():
     diffs = config_diff({"algo": "grpo", "rollout": {"n": 4}, "kl": 0.1},
                         {"algo": "gae", "rollout": {"n": 4}, "seed": 1})
     assert diffs == [("algo", "grpo", "gae"), ("kl", 0.1, None), ("seed", None, 1)]
+
+
+def test_a_key_added_later_compares_as_its_stated_default_when_absent():
+    old = {"algo": "grpo"}  # written before "async.enable" existed
+    now = {"algo": "grpo", "async.enable": False, ABSENT: {"async.enable": False}}
+    assert config_diff(old, now) == [] and config_diff(now, old) == []
+    on = {**now, "async.enable": True}
+    assert config_diff(old, on) == [("async.enable", None, True)]
+    # without the entry an absent key is a difference, as before
+    assert config_diff(old, {"algo": "grpo", "async.enable": False}) == [("async.enable", None, False)]
 
 
 def test_version_check():

@@ -100,11 +100,14 @@ class PolicyWorker(ShardedModelWorker):
 
     def update(self, batch: dict[str, torch.Tensor], *, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor, clip: float, kl_coef: float,
-               old_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+               old_logprobs: torch.Tensor | None = None,
+               step_scheduler: bool = True) -> dict[str, float]:
         """One PPO-clip step with a KL penalty to the reference on response tokens.
 
         ``old_logprobs``: the behaviour policy's log-probs (the asynchronous job's rollout,
-        some policy versions behind); default: this policy's own before the step."""
+        some policy versions behind); default: this policy's own before the step.
+        ``step_scheduler=False``: a mini-batch before the step's last (the LR schedule
+        advances once per training step)."""
         batch = to_device(batch, self.device)
         advantages, ref_logprobs = advantages.to(self.device), ref_logprobs.to(self.device)
         mask = batch["response_mask"].float()
@@ -117,7 +120,7 @@ class PolicyWorker(ShardedModelWorker):
         delta = ref_logprobs - logp
         kl = torch.exp(delta) - delta - 1
         loss = _masked_mean(pg + kl_coef * kl, mask)
-        self._optimizer_step(loss)
+        self._optimizer_step(loss, step_scheduler)
         return {"pg_loss": float(_masked_mean(pg, mask).detach()),
                 "kl": float(_masked_mean(kl, mask).detach()), "loss": float(loss.detach()),
                 "lr": float(self.sched.get_last_lr()[0])}

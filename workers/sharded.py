@@ -79,12 +79,15 @@ class ShardedModelWorker(CheckpointableWorker):
                 "device": str(self.device), "node_id": ray.get_runtime_context().get_node_id(),
                 "gpu_ids": self.gpu_ids}
 
-    def _optimizer_step(self, loss: torch.Tensor) -> None:
+    def _optimizer_step(self, loss: torch.Tensor, step_scheduler: bool = True) -> None:
+        """One optimizer step; the LR schedule advances once per training step (with
+        ``step_scheduler``: the last of a step's mini-batches)."""
         self.optim.zero_grad(set_to_none=True)
         loss.backward()
         self.optim.step()
-        self.sched.step()
-        self.steps += 1
+        if step_scheduler:
+            self.sched.step()
+            self.steps += 1
 
     # ---- whole-model views (collectives: every rank of the role must call) ----------------
 
