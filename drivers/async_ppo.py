@@ -146,9 +146,9 @@ class AsyncTrainer(Trainer):
         self.version = 0  # weight syncs so far: the policy version the rollout samples with
         self.staleness = float(opts["async_training.staleness_threshold"])
         self.sync_every = int(opts["async_training.trigger_parameter_sync_step"])
-        # prompts outstanding at most: what the trainer takes under staleness + 1 versions
         # verl's require_batches: a step takes that many batches, one update on each
         self.step_prompts = self.batch_size * int(opts["async_training.require_batches"])
+        # prompts outstanding at most: what the trainer takes under staleness + 1 versions
         self.capacity = math.floor(self.step_prompts * self.sync_every * (self.staleness + 1))
         self.decode_steps = (opts["async_training.decode_steps_per_step"]
                              or opts["actor_rollout_ref.rollout.response_length"])

@@ -19,6 +19,10 @@ actor, sets up the workers' savers, and drives the protocol:
   RNG and data loader; ``"auto"`` skips checkpoints that fail verification.
   ``load_model_weights(ref)`` loads weights only (light or full checkpoints).  Both are
   the job's :class:`~raycheckpoint.loader.CheckpointLoader`.
+* ``fingerprint``: the job's config as it must match for a strict resume (stored in each
+  checkpoint's ``trainer_state.json``); its ``"absent_means"`` entry
+  (:data:`raycheckpoint.resume.ABSENT`) gives, for keys added in a later release of the
+  job, the value their absence in an older checkpoint stands for.
 
 Workers are any Ray actors mixing in :class:`~raycheckpoint.worker.CheckpointableWorker`,
 grouped by role (rank = position in the list).

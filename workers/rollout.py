@@ -3,7 +3,8 @@
 The engine, chosen by ``actor_rollout_ref.rollout.name`` (``hf`` or ``vllm``), is one of
 :mod:`workers.engines`.  It holds no state worth saving: a checkpoint of this role is the
 sampler config and its RNG position; after every load the driver re-syncs the weights from
-the actor (``set_weights``) and the engine is never restored from disk.  In the job's
+the actor (``set_weights``; the asynchronous mode syncing every few steps: the actor's copy
+of the weights it last synced) and the engine is never restored from disk.  In the job's
 asynchronous mode a rank also holds sequences in flight (``stream_*``,
 :mod:`workers.streaming`), which the driver reads into the checkpoint's rollout state.
 """
