@@ -124,20 +124,3 @@ def test_async_vllm_job_killed_and_resumed_continues_bit_for_bit(tmp_path):
     # nothing saved was generated again
     assert before[crash]["tokens_generated"] + b[5]["tokens_generated"] == a[5]["tokens_generated"]
     assert len(set(trained(before, range(1, crash + 1)) + trained(b, range(crash + 1, 6)))) == 5 * 4
-
-
-# ~1.5 min: two runs, two vLLM engines generating on their own
-@pytest.mark.long
-def test_async_vllm_free_running_job_resumes_without_losing_or_repeating(tmp_path):
-    root = tmp_path / "run"
-    free = ["async_training.schedule=free", "rollout.n_gpus_per_node=2"]
-    async_run(root, *free, crash=3)
-    before = records(root)
-    again = async_run(root, *free)
-    assert "resumed from step_00000003" in again.stdout
-    after = records(root)
-    assert any(e.startswith("rollout state restored") for e in after[4]["ckpt_events"])
-    keys = trained(before, range(1, 4)) + trained(after, range(4, 6))
-    assert len(keys) == len(set(keys)) == 5 * 4  # no prompt trained twice
-    assert all(after[s]["staleness_max"] <= 2 for s in (4, 5))
-    assert all("rollout_pause_s" in c for c in after[5]["checkpoint_stats"])
