@@ -28,7 +28,7 @@ class Dispatcher:
     def __init__(self, rows: int, *, seed: int, batch: int, staleness: float,
                  sync_every: int = 1) -> None:
         self.sampler = ResumableSampler(rows, seed=seed)
-        self.batch, self.staleness = batch, staleness
+        self.staleness = staleness
         self.per_version = batch * sync_every  # prompts the trainer takes under one version
         self.requeue: list[Key] = []  # given back, dispatched again before new prompts
         self.outstanding: list[Key] = []  # dispatched, not trained on, in dispatch order

@@ -35,7 +35,7 @@ import ray
 import torch
 
 from drivers.async_hub import SampleHub, without_work
-from drivers.groups import RPC
+from drivers.groups import RPC, rollout_lags
 from drivers.main_ppo import Trainer
 from drivers.verl_keys import fail
 
@@ -146,6 +146,7 @@ class AsyncTrainer(Trainer):
         self.version = 0  # weight syncs so far: the policy version the rollout samples with
         self.staleness = float(opts["async_training.staleness_threshold"])
         self.sync_every = int(opts["async_training.trigger_parameter_sync_step"])
+        self.lags = rollout_lags(opts)  # between syncs the rollout's weights are the actor's older ones
         # verl's require_batches: a step takes that many batches, one update on each
         self.step_prompts = self.batch_size * int(opts["async_training.require_batches"])
         # prompts outstanding at most: what the trainer takes under staleness + 1 versions
@@ -249,7 +250,7 @@ class AsyncTrainer(Trainer):
         policy = self.version
         if syncs:
             self.version += 1
-            if self.sync_every > 1:  # the actor keeps them: the rollout's until the next sync
+            if self.lags:  # the actor keeps them: the rollout's until the next sync
                 ray.get([w.keep_rollout_weights.remote() for w in self.groups["actor"]],
                         timeout=RPC)
             self.sync_rollout()  # free-running ranks apply it at a token boundary (or drain first)
@@ -281,7 +282,7 @@ class AsyncTrainer(Trainer):
         super().sync_rollout(version=self.version, partial=self.partial, **how)
 
     def rollout_weights(self) -> dict[str, Any]:
-        return {"rollout": True} if self.sync_every > 1 else {}
+        return {"rollout": True} if self.lags else {}
 
     def before_steps(self) -> None:
         """Free-running: each rollout rank starts generating on its own (after the load)."""

@@ -13,8 +13,9 @@
   the synced weights; each request carries a seed derived from (seed, rank, call count), so
   sampling is reproducible.
 
-Both also sample the asynchronous job's sequences a token at a time
-(:meth:`next_tokens`, used by :class:`workers.streaming.Streams`): token ``t`` of a sequence
+Both also sample the asynchronous job's sequences a token at a time for
+:class:`workers.streaming.Streams` (``stream_sampler()``: the torch module, which Streams
+samples itself, or :meth:`VLLMEngine.next_tokens`): token ``t`` of a sequence
 with the seed :func:`workers.streaming.token_seed` gives it, its log-prob the raw
 (temperature-1) one.  vLLM gets one request per sequence of the prompt plus the tokens so
 far, ``max_tokens=1``: a sequence saved mid-way continues on any rank by prefilling what it

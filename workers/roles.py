@@ -13,7 +13,6 @@ from typing import Any
 
 import ray
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from workers.device import to_device, to_host
@@ -55,12 +54,11 @@ class PolicyWorker(ShardedModelWorker):
                 for k, v in model.items():
                     kept[k].copy_(v)
 
-    def _weights(self, rollout: bool) -> dict[str, torch.Tensor]:
-        if not rollout:
-            return get_model_state_dict(self.net, options=StateDictOptions(full_state_dict=True))
+    def _rollout_full(self) -> dict[str, torch.Tensor]:
+        """The kept rollout weights unsharded (a collective: every rank of the role calls)."""
         if self.rollout_weights is None:
             raise RuntimeError("this actor keeps no rollout weights (rollout_weights=False)")
-        return {k: v.full_tensor() if isinstance(v, DTensor) else v  # collective: every rank
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v
                 for k, v in self.rollout_weights.items()}
 
     def full_weights(self, rollout: bool = False) -> dict[str, torch.Tensor] | None:
@@ -68,11 +66,11 @@ class PolicyWorker(ShardedModelWorker):
         sync to the rollout (:meth:`keep_rollout_weights`)."""
         if not rollout:
             return super().full_weights()
-        full = {k: v.cpu() for k, v in self._weights(True).items()}
+        full = {k: v.cpu() for k, v in self._rollout_full().items()}
         return full if self.rank == 0 else None
 
     def weights_sha256(self, rollout: bool = False) -> str:
-        return state_sha256(self._weights(rollout))
+        return state_sha256(self._rollout_full()) if rollout else super().weights_sha256()
 
     def ckpt_state_dict(self, kind: str) -> dict[str, Any]:
         state = super().ckpt_state_dict(kind)
