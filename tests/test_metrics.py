@@ -53,7 +53,11 @@ def test_slow_storage_is_flagged_when_persist_and_commit_times_rise():
     assert m.record({**entry(6, 0.1, 1000), "persist_s": 0.4, "total_s": 0.45}) == []
 
 
-def _scrape(url: str, pattern: str, timeout: float = 90) -> list[str]:
+def _scrape(url: str, pattern: str, expect=None, timeout: float = 90) -> list[str]:
+    """The lines of Ray's metrics page matching ``pattern``, once one exists and, given
+    ``expect`` (a value or a predicate on it), once the first one's value meets it: Ray
+    exports on a period, so a page read just after a save may still show the one before."""
+    ok = expect if callable(expect) else (lambda v: expect is None or v == expect)
     deadline = time.time() + timeout
     lines: list[str] = []
     while time.time() < deadline:
@@ -62,10 +66,11 @@ def _scrape(url: str, pattern: str, timeout: float = 90) -> list[str]:
         except OSError:
             body = ""
         lines = [ln for ln in body.splitlines() if re.search(pattern, ln) and not ln.startswith("#")]
-        if lines:
+        if lines and ok(_value(lines[0])):
             return lines
         time.sleep(2)
-    raise AssertionError(f"no metric matching {pattern!r} at {url} after {timeout}s")
+    raise AssertionError(f"no metric matching {pattern!r} with the expected value at {url} "
+                         f"after {timeout}s; last seen: {lines}")
 
 
 def _value(line: str) -> float:
@@ -87,18 +92,13 @@ def test_saves_are_published_as_ray_metrics(group2, local_root, metrics_url):
     finally:
         m.close(120)
     job = 'job="metrics-test"'
-    step = _scrape(metrics_url, rf"^ray_raycheckpoint_last_committed_step\{{.*{job}")
-    assert _value(step[0]) == 2.0
-    stall = _scrape(metrics_url, rf"^ray_raycheckpoint_stall_seconds\{{.*{job}")
-    assert 0 < _value(stall[0]) < 30
-    size = _scrape(metrics_url, rf"^ray_raycheckpoint_checkpoint_bytes\{{.*{job}")
-    assert _value(size[0]) == stats[-1]["bytes"]
-    saves = _scrape(metrics_url, rf"^ray_raycheckpoint_saves_total\{{.*outcome=\"committed\".*{job}"
-                    rf"|^ray_raycheckpoint_saves_total\{{.*{job}.*outcome=\"committed\"")
-    assert _value(saves[0]) == 2.0
-    written = _scrape(metrics_url, rf"^ray_raycheckpoint_bytes_written_total\{{.*{job}")
-    assert _value(written[0]) == sum(s["bytes"] for s in stats)
+    _scrape(metrics_url, rf"^ray_raycheckpoint_last_committed_step\{{.*{job}", 2.0)
+    _scrape(metrics_url, rf"^ray_raycheckpoint_stall_seconds\{{.*{job}", lambda v: 0 < v < 30)
+    _scrape(metrics_url, rf"^ray_raycheckpoint_checkpoint_bytes\{{.*{job}", stats[-1]["bytes"])
+    _scrape(metrics_url, rf"^ray_raycheckpoint_saves_total\{{.*outcome=\"committed\".*{job}"
+                         rf"|^ray_raycheckpoint_saves_total\{{.*{job}.*outcome=\"committed\"", 2.0)
+    _scrape(metrics_url, rf"^ray_raycheckpoint_bytes_written_total\{{.*{job}",
+            sum(s["bytes"] for s in stats))
     assert _scrape(metrics_url, r"^ray_raycheckpoint_persist_seconds\{")
-    verified = _scrape(metrics_url, rf"^ray_raycheckpoint_last_verified_step\{{.*{job}")
-    assert _value(verified[0]) == 2.0
+    _scrape(metrics_url, rf"^ray_raycheckpoint_last_verified_step\{{.*{job}", 2.0)
     assert _scrape(metrics_url, rf"^ray_raycheckpoint_verifications_total\{{.*{job}")
