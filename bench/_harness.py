@@ -215,7 +215,10 @@ def _kill(group: list[Any], placement: Placement) -> None:
 def _manager(storage: BenchStorage, group: list[Any]) -> CheckpointManager:
     cfg = CheckpointConfig(save_dir=storage.url("raycheckpoint"), storage_options=storage.options,
                            keep_last_n=1, publish_metrics=False, commit_timeout_s=TIMEOUT_S,
-                           rpc_timeout_s=TIMEOUT_S, job_name="bench")
+                           rpc_timeout_s=TIMEOUT_S, job_name="bench",
+                           # every step saves, for the saves riding on a step (step_save);
+                           # the other saves are made with save_checkpoint
+                           save_full_interval=1, save_on_preemption=False)
     return CheckpointManager(cfg, {"actor": group})
 
 

@@ -43,6 +43,8 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
     Then the same saves with ``overlap_copy``: training is blocked for the snapshot call
     plus what the next optimizer step waits for the copy (``overlap_stall_s``), and that
     first step (its forward/backward beside the copy) is timed against a step alone.
+    Last, saves riding on a training step (:func:`ride_save`), without and with
+    ``overlap_copy`` (``ride_stall_s``, ``ride_overlap_stall_s``).
     """
     def step() -> float:
         return _max([w.train_step.remote(batch, seq) for w in group])
@@ -89,6 +91,14 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
             _cleaned_up(manager)
     finally:
         manager.config = plain
+    ride = {"ride_stall_s": [], "ride_overlap_stall_s": []}
+    for key, overlap in (("ride_stall_s", False), ("ride_overlap_stall_s", True)):
+        manager.config = dataclasses.replace(plain, overlap_copy=overlap)
+        try:
+            for _ in range(saves):
+                ride[key].append(ride_save(group, manager, batch, seq, step, copy_waits))
+        finally:
+            manager.config = plain
     a, b, c = _median(alone), _median(during), _median(during_dcp)
     f = _median(overlap_first_step)
     return {"step_s": a, "step_during_persist_s": b, "steps_during_persist": len(during),
@@ -97,7 +107,32 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
             "first_step_after_save_s": _median(first_after_save),
             "overlap_stall_s": _median(overlap_stall), "overlap_first_step_s": f,
             "overlap_first_step_slowdown": (f / a - 1) if a and f else None,
-            "batch": batch, "seq": seq}
+            **{k: _median(v) for k, v in ride.items()}, "batch": batch, "seq": seq}
+
+
+def ride_save(group: list[Any], manager: CheckpointManager, batch: int, seq: int, step,
+              copy_waits) -> float:
+    """One save riding on a training step (``step_save``, the step's calls, ``snapshot()``,
+    ``step()``), as a job makes it: the time it blocked training (``stall_s``: the request,
+    the slowest rank's snapshot right after its update, the driver's finish) plus what the
+    next optimizer step waited for an overlapped copy."""
+    number = manager.global_step + 1
+    before = copy_waits()
+    riding = manager.step_save(number)
+    if riding is None:
+        raise RuntimeError("the bench's manager saves every step (save_full_interval=1): "
+                           f"step_save({number}) asked for no save")
+    training = [w.train_step.remote(batch, seq) for w in group]
+    riding.snapshot()
+    ray.get(training, timeout=TIMEOUT_S)
+    handle = manager.step(number)
+    if handle is None or handle.name != f"step_{number:08d}":
+        raise RuntimeError(f"step({number}) did not complete the save begun with the step")
+    step()  # the next step: its optimizer step waits for what an overlapped copy has left
+    waited = max(b - a for a, b in zip(before, copy_waits(), strict=True))
+    handle.wait(TIMEOUT_S)
+    _cleaned_up(manager)
+    return handle.stall_s + waited
 
 
 def reshard_loads(ranks: int, d: int, storage: BenchStorage, methods: tuple[str, ...],

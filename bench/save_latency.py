@@ -202,7 +202,8 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
             f"({_pct(steps['dcp_async_slowdown'])}); first step after a save "
             f"{_fmt(steps['first_step_after_save_s'])} s; overlap_copy: blocked "
             f"{steps['overlap_stall_s']:.3f} s, first step {steps['overlap_first_step_s']:.3f} s "
-            f"({_pct(steps['overlap_first_step_slowdown'])})")
+            f"({_pct(steps['overlap_first_step_slowdown'])}); riding on a step: blocked "
+            f"{steps['ride_stall_s']:.3f} s, with overlap_copy {steps['ride_overlap_stall_s']:.3f} s")
         measured = True
     finally:
         manager.close(TIMEOUT_S)

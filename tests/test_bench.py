@@ -58,8 +58,15 @@ def test_save_latency_bench_runs_every_method_and_writes_results(ray_session, tm
         saved["methods"]["raycheckpoint"]["stall_s"] / lim["host_copy_beside_s"])
     assert saved["step_overhead"]["steps_during_persist"] >= 1
     assert saved["step_overhead"]["overlap_stall_s"] > 0  # overlap_copy measured too
+    # and saves riding on a training step, without and with overlap_copy
+    assert saved["step_overhead"]["ride_stall_s"] > 0
+    assert saved["step_overhead"]["ride_overlap_stall_s"] > 0
+    assert saved["targets"]["ride_stall_over_host_copy"] == pytest.approx(
+        saved["step_overhead"]["ride_stall_s"] / lim["host_copy_beside_s"])
     assert set(saved["targets"]["met"]) >= {"stall_over_host_copy", "durable_over_raw_write",
-                                            "overlap_stall_over_host_copy"}
+                                            "overlap_stall_over_host_copy",
+                                            "ride_stall_over_host_copy",
+                                            "ride_overlap_stall_over_host_copy"}
     from bench.report import markdown
 
     tables = markdown([saved])
