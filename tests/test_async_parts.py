@@ -164,3 +164,36 @@ def test_a_synchronous_jobs_checkpoint_from_before_the_async_keys_still_resumes(
     assert config_diff(before, now) == []
     on = fingerprint({**DEFAULTS, "async_training.enable": True}, data_sha=7, rows=64)
     assert [d[0] for d in config_diff(before, on)] == ["async_training.enable"]
+
+
+# the resume fingerprint's keys of the checkpoints written before any key was added to it
+# (the job's fingerprint up to the asynchronous mode): frozen, never edited
+FIRST_FINGERPRINT = {
+    "actor_rollout_ref.actor.clip_ratio", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+    "actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.kl_loss_coef",
+    "actor_rollout_ref.actor.optim.end_factor", "actor_rollout_ref.actor.optim.lr",
+    "actor_rollout_ref.actor.use_kl_loss", "actor_rollout_ref.model.arch",
+    "actor_rollout_ref.model.hidden_size", "actor_rollout_ref.model.intermediate_size",
+    "actor_rollout_ref.model.num_heads", "actor_rollout_ref.model.num_layers",
+    "actor_rollout_ref.model.path", "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.name",
+    "actor_rollout_ref.rollout.response_length", "actor_rollout_ref.rollout.temperature",
+    "algorithm.adv_estimator", "algorithm.gamma", "algorithm.lam", "critic.model.path",
+    "critic.optim.lr", "data.rows", "data.sha256", "data.train_batch_size",
+    "reward_model.model.path", "reward_model.rm_coef", "trainer.seed"}
+
+
+def test_every_key_added_to_the_fingerprint_says_what_its_absence_means():
+    """A key added to the fingerprint is missing from every checkpoint written before it: it
+    must be in ``LATER_KEYS`` (absent means its default), or a strict resume of those
+    checkpoints is refused for a difference the user never made."""
+    from drivers.config import DEFAULTS
+    from drivers.job_spec import LATER_KEYS, fingerprint
+    from raycheckpoint.resume import ABSENT, config_diff
+
+    now = fingerprint(dict(DEFAULTS), data_sha=7, rows=64)
+    added = set(now) - FIRST_FINGERPRINT - {ABSENT}
+    assert added <= set(LATER_KEYS), f"add to drivers/job_spec.LATER_KEYS: {sorted(added - set(LATER_KEYS))}"
+    assert not FIRST_FINGERPRINT - set(now), "a key left the fingerprint: old checkpoints hold it"
+    first = {k: (7 if k == "data.sha256" else 64 if k == "data.rows" else DEFAULTS[k])
+             for k in FIRST_FINGERPRINT}
+    assert config_diff(first, now) == []  # an old default job's checkpoint resumes strictly
