@@ -22,7 +22,7 @@ PIP_CONSTRAINT=/dev/null "$ENV/bin/python" -m pip install -q --disable-pip-versi
   --no-cache-dir -c "$ENV/same-as-default.txt" "torch==$VERSION" -e ".[job,test]"
 "$ENV/bin/python" -c "import torch; print('torch', torch.__version__)"
 TESTS=(tests/test_dcp_save.py tests/test_dcp_load.py tests/test_dcp_io.py tests/test_dcp_multi_file.py
-       tests/test_save_load.py
+       tests/test_save_load.py tests/test_save_failures.py
        tests/test_torch_records.py tests/test_state_dict_cache.py tests/test_worker_load.py)
 # not the save protocol's own timing, retention and barrier tests: torch plays no part in them
 PROTOCOL_ONLY="retention or persist_starts or freeze_their_heap or never_reads or barrier_timeout \
