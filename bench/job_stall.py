@@ -37,8 +37,8 @@ CONFIGS = [("between steps", {"trainer.save_with_step": False}),
            ("with the step, overlap_copy", {"trainer.save_with_step": True,
                                             "checkpoint.overlap_copy": True})]
 PHASES = ["trainer_state", "send", "to_worker", "wait_previous", "state_dict",
-          "rng_extra", "plan", "copy", "begin_answer", "answer", "to_driver", "finish", "begin_beside",
-          "send_snapshots_beside"]
+          "rng_extra", "plan", "copy", "begin_answer", "answer", "to_driver", "wait_answers",
+          "finish", "begin_beside", "send_snapshots_beside", "driver_wait_beside"]
 
 
 def _copy_limit(worker: Any, repeats: int = 5) -> dict[str, float]:

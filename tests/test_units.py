@@ -296,6 +296,14 @@ def test_a_saves_breakdown_lays_its_phases_end_to_end_along_the_slowest_rank():
                   snapped=101.001, end=101.002)
     out = save_breakdown(driver, [("actor/0", {"marks": _worker_marks(100.9)})], queued=True)
     assert out["queued"] and "to_worker" not in out and "to_driver" not in out
-    assert out["send"] == 1.0 and out["send_snapshots_beside"] == 2.0 and out["finish"] == 2.0
-    assert out["total"] == 2.0 + 1.0 + 7 * 1.0 + 2.0
+    assert out["send"] == 1.0 and out["send_snapshots_beside"] == 2.0 and out["finish"] == 1.0
+    assert out["wait_answers"] == 0.0 and out["driver_wait_beside"] == 1.0
+    assert out["total"] == 2.0 + 1.0 + 7 * 1.0 + 1.0
+    # the driver finishes right after the step: its wait for the answers runs beside the
+    # snapshot (7 ms), counted once; a wait beyond it (a frozen role's snapshot) counts
+    for snapped, beyond in ((100.908, 0.0), (100.912, 3.0)):
+        driver.update(finish=100.902, snapped=snapped, end=snapped + 0.001)
+        out = save_breakdown(driver, [("actor/0", {"marks": _worker_marks(100.9)})], queued=True)
+        assert out["wait_answers"] == beyond and out["finish"] == 1.0
+        assert out["total"] == 2.0 + 1.0 + 7 * 1.0 + beyond + 1.0
     assert save_breakdown(driver, [("actor/0", {"stall_s": 0.1})]) == {}  # no marks: none

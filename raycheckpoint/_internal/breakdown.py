@@ -34,9 +34,12 @@ def save_breakdown(driver: dict[str, float], snapshots: list[tuple[str, dict[str
 
     ``queued``: a save riding on a training step, whose snapshots were queued behind the
     step's calls: its blocked time is the driver's request (``trainer_state``, ``send``:
-    ``begin``), the rank's snapshot from its receipt, and the driver's ``finish``; the
-    time between (the step) is not the save's, nor the sending of the snapshot calls,
-    which runs while the step's calls do (``send_snapshots_beside``).
+    ``begin``), the rank's snapshot from its receipt, what the driver's wait for the
+    answers lasted beyond that snapshot (``wait_answers``; the whole wait, which runs
+    beside the snapshot: ``driver_wait_beside``) and the driver's ``finish`` after the
+    answers; the time between request and snapshot (the step) is not the save's, nor the
+    sending of the snapshot calls, which runs while the step's calls do
+    (``send_snapshots_beside``).
     """
     marked = [(who, s["marks"]) for who, s in snapshots
               if all(m in s.get("marks", {}) for _, m in _WORKER[1:])]
@@ -54,7 +57,13 @@ def save_breakdown(driver: dict[str, float], snapshots: list[tuple[str, dict[str
         for name, mark in _WORKER[1:]:
             parts.append((name, last, worker.get(mark, last)))
             last = worker.get(mark, last)
-        parts.append(("finish", driver["finish"], driver["end"]))
+        # the driver's wait for the answers (from its finish, called once it has the step's
+        # answers) runs while the ranks snapshot: only what it lasted beyond the snapshot
+        # is more blocked time (a frozen role's snapshot, a late `begin`)
+        waited = driver["snapped"] - driver["finish"]
+        out["driver_wait_beside"] = round(waited * 1e3, 3)
+        parts.append(("wait_answers", 0.0, max(0.0, waited - (last - worker["received"]))))
+        parts.append(("finish", driver["snapped"], driver["end"]))
     else:
         parts, last = [], driver["start"]
         for name, mark, source in ([(n, m, driver) for n, m in _DRIVER_BEFORE]

@@ -196,15 +196,18 @@ class SaveRound:
 
     def stall_s(self, worker_stall_s: float = 0.0) -> float:
         """The time this save blocked training: from its start, or for a save riding on a
-        step, the driver's request (before the step's calls), the slowest rank's snapshot
-        (which ran on the worker between the step's calls and the driver's next ones) and
-        the driver's finish.  The snapshot calls are sent while the step's calls run,
-        not counted (``breakdown_ms``'s ``send_snapshots_beside``)."""
+        step, the driver's request (before the step's calls), then the longer of the
+        slowest rank's snapshot (which ran on the worker between the step's calls and the
+        driver's next ones) and the driver's wait for the answers (which runs beside it
+        when the driver finishes the save right after the step), then the driver's finish
+        after the answers.  The snapshot calls are sent while the step's calls run, not
+        counted (``breakdown_ms``'s ``send_snapshots_beside``)."""
         if not self.held:
             return time.perf_counter() - self.t0
-        marks = self.marks
-        return (marks["begin_sent"] - marks["start"]) + worker_stall_s + (
-            time.time() - marks["finish"])
+        marks, now = self.marks, time.time()
+        answered = marks.get("snapped", now)  # not there: the save ended before the answers
+        return (marks["begin_sent"] - marks["start"]) + max(
+            worker_stall_s, answered - marks["finish"]) + (now - answered)
 
 
 def settle(refs: list[Any], timeout: float) -> None:
