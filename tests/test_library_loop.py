@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -283,13 +284,17 @@ def test_a_save_begun_with_the_step_snapshots_right_after_its_calls(group2, tmp_
             if step == 2:  # the driver goes on before step(): not part of step 2's save
                 train(group2, [99])
                 at[99] = full_state(group2)
+            completing = time.monotonic()
             h = m.step(step, metrics={"loss": loss})
             if ride is None:
                 assert h is None or h.reason.startswith("loss fell"), h and h.reason
                 continue
             assert h.reason == ("every 2 steps; train end" if step == 4 else "every 2 steps")
             assert h.breakdown["queued"] and h.breakdown["rank"].startswith("actor/")
-            assert h.wait(RPC_TIMEOUT)["name"] == f"step_{step:08d}"
+            result = h.wait(RPC_TIMEOUT)
+            assert result["name"] == f"step_{step:08d}"
+            # its commit time counts from step(), not from step_save(): not the step's calls
+            assert result["total_s"] <= time.monotonic() - completing
             ts = json.loads(Storage(root).read_bytes(f"step_{step:08d}/trainer_state.json"))
             assert ts["metrics"] == {"loss": loss} and ts["global_step"] == step
             assert ts["triggers"]["loss_baseline"] == m._stepper.triggers.loss_baseline

@@ -46,6 +46,8 @@ class SaveRecord:
     replicate: bool = False  # a tiered job copies it to the durable tier whatever the interval
     held: bool = False  # begun with a step: committed once the driver completes it (await_save)
     rollout_state: Any = None  # JSON-safe: written encrypted as rollout_state.json
+    # when the save began; a held save's time is counted from its release (the step's
+    # end, when its persists start), so that its commit time does not hold the step's
     started: float = field(default_factory=time.time)
     reports: dict[tuple[str, int], list[FileEntry]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)

@@ -244,7 +244,7 @@ class CheckpointCoordinator:
                 if save is not None and save.status == "pending":
                     save.metrics.update(late.get("metrics") or {})
                     save.trainer_state.update(late.get("trainer_state") or {})
-                    save.held = False
+                    save.held, save.started = False, time.time()
         self.snapshotted(save_id)
         return self.wait(save_id)
 
