@@ -1,5 +1,5 @@
 """Large local files written with O_DIRECT (raycheckpoint.storage.direct_io); a block
-written while its host copy fills it: ``test_overlapped_write.py``."""
+written while its host copy fills it: ``test_block_write.py``."""
 
 from __future__ import annotations
 

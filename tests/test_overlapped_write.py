@@ -1,182 +1,148 @@
-"""A block written while its host copy fills it (raycheckpoint._internal.overlapped_write),
-with O_DIRECT where the filesystem has it."""
+"""A data file staged whole, written while the snapshot's copy fills its block
+(raycheckpoint._internal.overlapped_write), on two real ranks."""
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
+
 import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from raycheckpoint._internal.dcp.save import save_state
+from raycheckpoint._internal.dcp.shard_plan import ShardPlan
+from raycheckpoint._internal.dcp.writer import HashingStorageWriter
 from raycheckpoint.integrity import digest
-from raycheckpoint.storage import Storage
-from tests.test_direct_io import direct_supported
+from tests.dcp_ranks import check_saves_load_exactly, model_and_state, save_whole_model, train_step
+
+pytestmark = pytest.mark.timeout(180)
 
 
-def test_a_block_is_written_while_its_copy_fills_it(tmp_path, monkeypatch):
-    """A block that a host copy fills front to back (copies given in any order) goes to
-    the device a chunk at a time, from its own memory, as each chunk becomes final: the
-    first chunk is on the device before the copy has filled the rest.  Hashing waits for
-    the copy's end and its release (the persist's start).  Bytes and checksum are a plain
-    write's; a failed copy fails the write with none of its writes left running, and
-    nothing of the file hashed."""
-    import mmap
-    import os
-    import threading
-    import time
+def _write_ahead_rank_main(rank: int, world: int, port: int, root: str) -> None:
+    from raycheckpoint._internal.dcp import record_layout as dcp_io
+    from raycheckpoint._internal.overlapped_write import CopyFailed, OverlappedWrite
+    from raycheckpoint._internal.persist import SaveTarget
+    from raycheckpoint._internal.shard_saver import ShardSaver
+    from raycheckpoint.storage import StorageSpec
 
-    import numpy as np
-    import torch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+        dcp_io.SPLIT_AT_BYTES = dcp_io.SMALL_ITEM_BYTES = 0  # file 0: tensors only
+        net, optim, state = model_and_state(world)
+        saver = ShardSaver(role="actor", rank=rank, world_size=world, storage=StorageSpec(root))
+        data_file = f"__{rank}_0.distcp"
+        taken: list = []  # what the storage writers took of the early writes
+        aheads: list = []  # each save's early write
+        real_take = OverlappedWrite.take
 
-    from raycheckpoint._internal import overlapped_write as write_ahead
-    from raycheckpoint._internal.overlapped_write import CopyFailed, CopyOrder
-    from raycheckpoint.storage import direct_io
+        def take(self, rel, block):
+            entry = real_take(self, rel, block)
+            taken.append((rel, entry))
+            return entry
 
-    if not direct_supported(tmp_path):
-        pytest.skip("this filesystem has no O_DIRECT")
-    chunk = direct_io.DIRECT_CHUNK
-    n = 3 * chunk + 5000
-    block = mmap.mmap(-1, 4 * chunk)
-    view = memoryview(block)[:n]
-    start = np.frombuffer(block, dtype=np.uint8).ctypes.data
-    written: list[tuple[str, int]] = []  # (from, bytes) per device write
-    real_write_out = direct_io.DirectFile._write_out
+        OverlappedWrite.take = take
 
-    def recording(self, buf, length):
-        at = np.frombuffer(buf, dtype=np.uint8).ctypes.data
-        written.append(("caller" if start <= at < start + len(block) else "bounce", length))
-        return real_write_out(self, buf, length)
-
-    monkeypatch.setattr(direct_io.DirectFile, "_write_out", recording)
-    st = Storage(str(tmp_path))
-
-    def run(name: str, fail: bool) -> tuple:
-        written.clear()
-        source = torch.frombuffer(bytearray(os.urandom(n)), dtype=torch.uint8)
-        flat = torch.frombuffer(block, dtype=torch.uint8)
-        spans = [(0, chunk), (chunk, 2 * chunk + 100), (2 * chunk + 100, n)]
-        copies = [(flat[a:b], source[a:b]) for a, b in reversed(spans)]
-        order = CopyOrder(copies, [view])
-        ordered, progress = order.apply(copies)
-        assert [d.data_ptr() for d, _ in ordered] == [flat[a:b].data_ptr() for a, b in spans]
-        assert order.apply(copies[:1]) is None and order.apply(copies[::-1]) is None
-        # each copy waits for the test's go before the progress's own loop makes it
-        go = [threading.Event() for _ in ordered]
-        index = {id(d): i for i, (d, _) in enumerate(ordered)}
-
-        def gated(pairs):
-            for d, src in pairs:
-                i = index[id(d)]
-                assert go[i].wait(20)
-                if fail and i == 1:
-                    raise RuntimeError("copy failed")
-                d.copy_(src)
-
-        monkeypatch.setattr(write_ahead, "copy_tensors", gated)
-        copy_error: list = []
-
-        def copy() -> None:
+        def save(d: str, *, fail_copy: bool = False, forget: bool = False):
+            """As a snapshot then its persist do, with the early write between them."""
+            staged, copies, ready = saver.stager.plan("full", state())
+            copies, progress = saver._start_overlapped_write("full", copies,
+                                                             SaveTarget(None, "", d), 30.0)
+            plan = saver.plans.setdefault("full", ShardPlan())
+            ahead = saver._early.get("full")
+            aheads.append(ahead)
+            failed = None
+            if fail_copy:  # this rank's copy fails halfway
+                half = len(copies) // 2
+                copies[half] = (copies[half][0], "not a tensor")
+                with pytest.raises(TypeError) as failed_copy:
+                    saver.stager.copy(copies, ready, progress)
+                failed = RuntimeError(f"the copy failed: {failed_copy.value}")
+            else:
+                saver.stager.copy(copies, ready, progress)
+            if forget:  # the staged tensors moved after the snapshot: no image to write
+                plan.forget_tensors()
+            writer = HashingStorageWriter(saver.storage, f"{d}/actor", plan, ahead)
             try:
-                progress.copy(ordered)
-            except RuntimeError as e:
-                copy_error.append(e)
+                save_state(staged, writer, plan, group, failed=failed)
+            finally:
+                saver._end_overlapped_write("full")
+            if not plan.tried_images:
+                saver._stage_files_whole("full", plan, writer.results)
+            return writer, plan, ahead
 
-        copier = threading.Thread(target=copy)
-        copier.start()
-        hashed: list[int] = []
-        w = st.open_write(name, direct=True)
-        real_hasher = w._sink.file._hasher
+        def step() -> None:
+            train_step(net, optim)
 
-        class Recording:
-            def update(self, data):
-                hashed.append(memoryview(data).nbytes)
-                real_hasher.update(data)
+        def whole_model(d: str) -> None:
+            save_whole_model(net, rank, os.path.join(root, f"{d}-model.pt"))
 
-        w._sink.file._hasher = Recording()
-        outcome: list = []
+        def data(d: str) -> bytes:
+            with open(os.path.join(root, d, "actor", data_file), "rb") as f:
+                return f.read()
 
-        def write() -> None:
-            try:
-                outcome.append(w.write_as_filled(view, lambda k: progress.wait(0, k, 30),
-                                                 lambda: progress.wait_hashing(30)))
-                w.close()
-            except BaseException as e:  # noqa: BLE001 - the test reads it
-                outcome.append(e)
-                w.abort()
+        _, plan, ahead = save("w1")  # the first save of a plan: nothing written early
+        assert ahead is None and plan.images
+        whole_model("w1")
 
-        writer = threading.Thread(target=write)
-        writer.start()
-        go[0].set()
-        deadline = time.monotonic() + 20
-        while not written and time.monotonic() < deadline:
-            time.sleep(0.01)
-        # the first chunk went out before the copy filled the rest; nothing hashed yet
-        assert written[:1] == [("caller", chunk)] and not hashed
-        for event in go[1:]:
-            event.set()
-        copier.join(30)
-        assert len(copy_error) == fail
-        if not fail:
-            while len(written) < 4 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            # every whole page written, none hashed: hashing waits for its release
-            assert len(written) == 4 and not hashed and writer.is_alive()
-            progress.release()
-        writer.join(30)
-        return outcome, source, hashed, w
+        step()
+        writer, plan, ahead = save("w2")  # written while the copy filled the block
+        whole_model("w2")
+        rel = f"w2/actor/{data_file}"
+        assert ahead is not None and ahead.error is None and not ahead.written
+        entry = [e for e in writer.written if e.path == rel]
+        assert (rel, entry[0]) in taken, taken
+        assert data("w2") == bytes(plan.images[data_file].view)
+        assert entry[0].digest == digest.of(data("w2"), "blake3")
+        order = plan.copy_order[2]  # built once per staging and image, then kept
 
-    outcome, source, hashed, w = run("s/filled.bin", fail=False)
-    assert outcome == [n]
-    expected = source.numpy().tobytes()
-    assert (tmp_path / "s" / "filled.bin").read_bytes() == expected
-    assert w.entry.digest == digest.of(expected, "blake3") and w.entry.size == n
-    # whole pages from the block; the last partial page (904 bytes) through a buffer
-    assert [src for src, _ in written] == ["caller"] * 4 + ["bounce"], written
-    assert sum(hashed) == n
+        step()  # rank 1's copy fails: its early write stops, rank 0's goes unused
+        taken.clear()
+        with pytest.raises(Exception, match="copy failed"):
+            save("w3", fail_copy=rank == 1)
+        assert not os.path.exists(os.path.join(root, "w3", "actor", data_file))
+        assert "full" not in saver._early  # ended, the files removed
+        assert saver.plans["full"].copy_order[2] is order
+        if rank == 1:
+            assert isinstance(aheads[-1].error, CopyFailed)
+        else:
+            assert aheads[-1].error is None and not taken  # no storage writer reached it
+        taken.clear()
 
-    outcome, _, hashed, w = run("s/failed.bin", fail=True)
-    assert isinstance(outcome[0], CopyFailed) and w.error is outcome[0]
-    assert w._sink.file._in_flight is None and not hashed
+        writer, plan, ahead = save("w4")  # after a failure: the full protocol, written late
+        assert ahead is None and not taken
+        whole_model("w4")
+
+        step()
+        saver.writes_ahead = False  # checkpoint.write_ahead=false: the block written late
+        writer, plan, ahead = save("w4b")
+        assert ahead is None and not taken and plan.outcome is not None
+        assert data("w4b") == bytes(plan.images[data_file].view)
+        whole_model("w4b")
+        saver.writes_ahead = True
+
+        step()
+        writer, plan, ahead = save("w5", forget=True)  # the image is gone: record by record
+        assert (f"w5/actor/{data_file}", None) in taken and not plan.images
+        whole_model("w5")
+        dist.barrier(group)
+    finally:
+        dist.destroy_process_group()
 
 
-def test_an_early_write_never_waits_for_its_hashing(tmp_path, monkeypatch):
-    """Once a block is filled, its chunks are all queued to the device, and hashing runs
-    beside the queued writes: the disk is never left idle while the writing thread
-    hashes.  Here each hash waits until every chunk has been written; a writer that
-    hashed between two writes would hold up the writes it has not yet handed on."""
-    import mmap
-    import os
-    import threading
+def test_a_data_file_staged_whole_is_written_while_the_copy_fills_it(tmp_path):
+    """From the second save of a plan, a data file staged whole is written while the
+    snapshot's copy fills its block; the persist takes that file (its bytes the block's,
+    its checksum theirs) instead of writing it.  A copy failing on one rank fails the save
+    on both and leaves no early file behind; with the early write turned off the persist
+    writes the block; a save whose image went away between the snapshot and the persist
+    writes the file record by record.  The copies' order is built once and kept.  Every
+    save loads exactly with torch's own reader."""
+    from workers.group import free_port
 
-    from raycheckpoint.storage import direct_io
-
-    if not direct_supported(tmp_path):
-        pytest.skip("this filesystem has no O_DIRECT")
-    chunks = 4
-    n = chunks * direct_io.DIRECT_CHUNK
-    block = mmap.mmap(-1, n)
-    data = os.urandom(1 << 20) * (n >> 20)
-    block.write(data)
-    done = []
-    all_written = threading.Event()
-    real_write_out = direct_io.DirectFile._write_out
-
-    def counting(self, buf, length):
-        real_write_out(self, buf, length)
-        done.append(length)
-        if len(done) == chunks:
-            all_written.set()
-
-    monkeypatch.setattr(direct_io.DirectFile, "_write_out", counting)
-    w = Storage(str(tmp_path)).open_write("s/early.bin", direct=True)
-    real_hasher = w._sink.file._hasher
-    waited: list[bool] = []
-
-    class AfterTheWrites:
-        def update(self, piece):
-            waited.append(all_written.wait(5))
-            real_hasher.update(piece)
-
-    w._sink.file._hasher = AfterTheWrites()
-    assert w.write_as_filled(memoryview(block), lambda k: None, lambda: None) == n
-    entry = w.close()
-    assert waited == [True] * chunks
-    assert (tmp_path / "s" / "early.bin").read_bytes() == data
-    assert entry.digest == digest.of(data, "blake3") and entry.size == n
+    root = str(tmp_path)
+    mp.spawn(_write_ahead_rank_main, args=(2, free_port(), root), nprocs=2, join=True)
+    check_saves_load_exactly(root, {d: f"{d}/actor" for d in ("w1", "w2", "w4", "w4b", "w5")},
+                              ("w2", "w5"))
