@@ -5,6 +5,7 @@ last checkpoint loaded into fewer ranks (:func:`reshard_loads`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -32,6 +33,32 @@ def _perturb(group: list[Any]) -> None:
     ray.get([w.perturb.remote() for w in group], timeout=TIMEOUT_S)
 
 
+def _train_step(group: list[Any], batch: int, seq: int) -> float:
+    return _max([w.train_step.remote(batch, seq) for w in group])
+
+
+def _copy_waits(group: list[Any]) -> list[float]:
+    """What each rank's optimizer has waited for overlapped copies so far (s)."""
+    return [s["copy_wait_s"] for s in
+            ray.get([w.ckpt_status.remote() for w in group], timeout=TIMEOUT_S)]
+
+
+def _waited_since(group: list[Any], before: list[float]) -> float:
+    """The most any rank's optimizer waited for an overlapped copy since ``before``."""
+    return max(b - a for a, b in zip(before, _copy_waits(group), strict=True))
+
+
+@contextlib.contextmanager
+def _config(manager: CheckpointManager, **changes: Any):
+    """The manager's config with ``changes`` (read at each save), restored after."""
+    plain = manager.config
+    manager.config = dataclasses.replace(plain, **changes)
+    try:
+        yield
+    finally:
+        manager.config = plain
+
+
 def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchStorage,
                   batch: int, seq: int, saves: int = 5) -> dict[str, Any]:
     """A training step alone, and while a background persist runs: raycheckpoint's, and
@@ -47,11 +74,7 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
     ``overlap_copy`` (``ride_stall_s``, ``ride_overlap_stall_s``).
     """
     def step() -> float:
-        return _max([w.train_step.remote(batch, seq) for w in group])
-
-    def copy_waits() -> list[float]:
-        return [s["copy_wait_s"] for s in
-                ray.get([w.ckpt_status.remote() for w in group], timeout=TIMEOUT_S)]
+        return _train_step(group, batch, seq)
 
     step()  # warms up
     alone: list[float] = []
@@ -77,28 +100,19 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
             during_dcp.append(step())
         ray.get([w.wait_async.remote() for w in group], timeout=TIMEOUT_S)
         storage.remove(f"dcp_async_stager/steps{i}")
-    plain = manager.config
-    manager.config = dataclasses.replace(plain, overlap_copy=True)  # read at each save
-    try:
+    with _config(manager, overlap_copy=True):
         for _ in range(saves):
             manager.update(step=manager.global_step + 1)
-            before = copy_waits()
+            before = _copy_waits(group)
             handle = manager.save_checkpoint()
             overlap_first_step.append(step())
-            waited = max(b - a for a, b in zip(before, copy_waits(), strict=True))
-            overlap_stall.append(handle.stall_s + waited)
+            overlap_stall.append(handle.stall_s + _waited_since(group, before))
             handle.wait(TIMEOUT_S)
             _cleaned_up(manager)
-    finally:
-        manager.config = plain
     ride = {"ride_stall_s": [], "ride_overlap_stall_s": []}
     for key, overlap in (("ride_stall_s", False), ("ride_overlap_stall_s", True)):
-        manager.config = dataclasses.replace(plain, overlap_copy=overlap)
-        try:
-            for _ in range(saves):
-                ride[key].append(ride_save(group, manager, batch, seq, step, copy_waits))
-        finally:
-            manager.config = plain
+        with _config(manager, overlap_copy=overlap):
+            ride[key] = [ride_save(group, manager, batch, seq) for _ in range(saves)]
     a, b, c = _median(alone), _median(during), _median(during_dcp)
     f = _median(overlap_first_step)
     return {"step_s": a, "step_during_persist_s": b, "steps_during_persist": len(during),
@@ -110,14 +124,13 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
             **{k: _median(v) for k, v in ride.items()}, "batch": batch, "seq": seq}
 
 
-def ride_save(group: list[Any], manager: CheckpointManager, batch: int, seq: int, step,
-              copy_waits) -> float:
+def ride_save(group: list[Any], manager: CheckpointManager, batch: int, seq: int) -> float:
     """One save riding on a training step (``step_save``, the step's calls, ``snapshot()``,
     ``step()``), as a job makes it: the time it blocked training (``stall_s``: the request,
     the slowest rank's snapshot right after its update, the driver's finish) plus what the
     next optimizer step waited for an overlapped copy."""
     number = manager.global_step + 1
-    before = copy_waits()
+    before = _copy_waits(group)
     riding = manager.step_save(number)
     if riding is None:
         raise RuntimeError("the bench's manager saves every step (save_full_interval=1): "
@@ -128,8 +141,8 @@ def ride_save(group: list[Any], manager: CheckpointManager, batch: int, seq: int
     handle = manager.step(number)
     if handle is None or handle.name != f"step_{number:08d}":
         raise RuntimeError(f"step({number}) did not complete the save begun with the step")
-    step()  # the next step: its optimizer step waits for what an overlapped copy has left
-    waited = max(b - a for a, b in zip(before, copy_waits(), strict=True))
+    _train_step(group, batch, seq)  # its optimizer step waits for what a copy has left
+    waited = _waited_since(group, before)
     handle.wait(TIMEOUT_S)
     _cleaned_up(manager)
     return handle.stall_s + waited
