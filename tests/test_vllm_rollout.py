@@ -107,20 +107,23 @@ def test_async_vllm_job_killed_and_resumed_continues_bit_for_bit(tmp_path):
     det = ["async_training.schedule=deterministic", "async_training.decode_steps_per_step=3"]
     async_run(tmp_path / "a", *det)
     a = records(tmp_path / "a")
-    crash = random.Random().choice([2, 3, 4])
+    crash = random.Random().choice([3, 4])
     print(f"SIGKILL after step {crash}")
     b_root = tmp_path / "b"
     async_run(b_root, *det, crash=crash)
     before = records(b_root)
     again = async_run(b_root, *det)
-    assert f"resumed from step_{crash:08d}" in again.stdout
+    # the kill may come before its step's save commits: it resumes from the newest committed
+    start = int(again.stdout.split("resumed from step_")[1][:8])
+    assert 2 <= start <= crash
     b = records(b_root)
-    assert a[crash]["in_flight"] > 0  # sequences were in flight when it saved: prefilled
-    restored = [e for e in b[crash + 1]["ckpt_events"] if e.startswith("rollout state restored")]
-    assert restored and f"{a[crash]['in_flight']} sequences in flight" in restored[0]
-    for step in range(crash + 1, 6):
+    assert a[start]["in_flight"] > 0  # sequences were in flight when it saved: prefilled
+    restored = [e for e in b[start + 1]["ckpt_events"] if e.startswith("rollout state restored")]
+    assert restored and f"{a[start]['in_flight']} sequences in flight" in restored[0]
+    for step in range(start + 1, 6):
         for key in SAME:
             assert a[step][key] == b[step][key], (step, key)
     # nothing saved was generated again
-    assert before[crash]["tokens_generated"] + b[5]["tokens_generated"] == a[5]["tokens_generated"]
-    assert len(set(trained(before, range(1, crash + 1)) + trained(b, range(crash + 1, 6)))) == 5 * 4
+    assert before[start]["tokens_generated"] + b[5]["tokens_generated"] == a[5]["tokens_generated"]
+    trained_once = trained(before, range(1, start + 1)) + trained(b, range(start + 1, 6))
+    assert len(trained_once) == len(set(trained_once)) == 5 * 4
