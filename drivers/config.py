@@ -94,6 +94,8 @@ DEFAULTS: dict[str, Any] = {
     "rollout.nnodes": 1,                        # (null: as many as the trainer's)
     "checkpoint.rollout_state": "full",         # full | drop: keep only the data position
     "trainer.crash_at_step": None,              # testing aid: SIGKILL the driver after this step
+    "trainer.crash_once_committed": False,      # testing aid: ... once that step's saves committed
+                                                # (else the kill may come while they persist)
     "trainer.step_delay_s": 0.0,                # testing aid: sleep after each step
 }
 

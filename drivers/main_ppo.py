@@ -319,6 +319,8 @@ class Trainer:
                       "checkpoint committed", flush=True)
                 return 0
             if step == o["trainer.crash_at_step"]:
+                if o["trainer.crash_once_committed"]:
+                    self.manager.wait_for_saves(RPC)
                 os.kill(os.getpid(), signal.SIGKILL)
             if o["trainer.step_delay_s"]:
                 time.sleep(o["trainer.step_delay_s"])

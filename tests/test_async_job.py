@@ -85,7 +85,8 @@ def test_killed_async_job_resumes_bit_for_bit(ray_head, tmp_path, seed):
 def test_rollout_state_drop_regenerates_what_was_in_flight(ray_head, tmp_path):
     root = tmp_path / "run"
     common = ["trainer.total_training_steps=6"]
-    run(ray_head, root, *common, "trainer.crash_at_step=4", ok=False)
+    run(ray_head, root, *common, "trainer.crash_at_step=4", "trainer.crash_once_committed=true",
+        ok=False)
     before = metrics(root)
     assert before[4]["in_flight"] > 0
     again = run(ray_head, root, *common, "trainer.resume_mode=auto", "checkpoint.rollout_state=drop")
@@ -141,7 +142,9 @@ def test_weights_synced_every_two_steps_a_save_between_syncs_resumes_bit_for_bit
     assert all(abs(a[s]["lr"] - 0.01 * (1 - 0.5 * s / 6)) < 1e-6 for s in range(1, 7))
     assert all(a[s]["staleness_max"] <= 1 for s in range(1, 7))
     root = tmp_path / "b"
-    run(ray_head, root, *common, "trainer.crash_at_step=3", ok=False)
+    # killed once step 3's save committed: an odd step's checkpoint is what this tests
+    run(ray_head, root, *common, "trainer.crash_at_step=3", "trainer.crash_once_committed=true",
+        ok=False)
     again = run(ray_head, root, *common)
     assert resumed_at(again) == 3
     b = metrics(root)
