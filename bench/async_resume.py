@@ -29,7 +29,7 @@ import sys
 import tempfile
 from typing import Any
 
-from drivers.metrics import read_metrics
+from drivers.metrics import read_metrics, resumed_at
 
 COMMON = ["async_training.enable=true", "async_training.schedule=deterministic",
           "async_training.decode_steps_per_step=3", "async_training.staleness_threshold=2",
@@ -56,10 +56,6 @@ def held_tokens(root: str, step: int) -> int:
         doc = json.load(f)
     seqs = [s for rank in doc["inflight"] for s in rank] + doc["hub"]["queue"]["sequences"]
     return sum(len(s["tokens"]) for s in seqs)
-
-
-def resumed_at(out: str) -> int:
-    return int(out.split("resumed from step_")[1][:8])
 
 
 def generated(ms: dict[int, dict], upto: int) -> int:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from drivers.metrics import read_metrics
+from drivers.metrics import read_metrics, resumed_at
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, SAVE_FREQ, CRASH = 8, 2, 5
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "killed":
             report["runs"][name].update(wait_gpu_free(free_before))
         if name == "resumed" and "resumed from step_" in stdout:
-            start = int(stdout.split("resumed from step_")[1][:8])
+            start = resumed_at(stdout)
             report["compare"] = compare(metrics(out / "straight"), metrics(root), start)
         write()
         if not expected:

@@ -1,4 +1,4 @@
-"""Reading a job's ``metrics.jsonl``."""
+"""Reading what a job reports: its ``metrics.jsonl``, the checkpoint it resumed from."""
 
 from __future__ import annotations
 
@@ -15,3 +15,9 @@ def read_metrics(path: str | Path) -> dict[int, dict[str, Any]]:
             record = json.loads(line)
             out[record["step"]] = record
     return out
+
+
+def resumed_at(stdout: str) -> int:
+    """The step of the checkpoint a run of ``drivers.main_ppo`` resumed from, read from
+    its output (``resumed from step_00000004 at step 4``)."""
+    return int(stdout.split("resumed from step_")[1][:8])

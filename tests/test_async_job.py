@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from drivers.metrics import resumed_at
 from tests.helpers import flip_bit
 from tests.ray_head import ray_head as start_head
 from tests.test_rl_job import metrics, submit
@@ -38,10 +39,6 @@ def run(head, root: Path, *args: str, ok: bool = True):
     return out
 
 
-def resumed_at(out) -> int:
-    return int(out.stdout.split("resumed from step_")[1][:8])
-
-
 def prompts(ms: dict[int, dict], steps) -> list[tuple[int, int]]:
     return [tuple(k) for s in steps for k in ms[s]["batch_prompts"]]
 
@@ -63,7 +60,7 @@ def test_killed_async_job_resumes_bit_for_bit(ray_head, tmp_path, seed):
     assert killed.returncode != 0 and max(metrics(b_root)) == crash
     before = metrics(b_root)
     again = run(ray_head, b_root, *common, "trainer.resume_mode=auto")
-    start = resumed_at(again)
+    start = resumed_at(again.stdout)
     assert 2 <= start <= crash
     b = metrics(b_root)
     assert a[start]["in_flight"] > 0  # sequences were in flight when it saved
@@ -90,7 +87,7 @@ def test_rollout_state_drop_regenerates_what_was_in_flight(ray_head, tmp_path):
     before = metrics(root)
     assert before[4]["in_flight"] > 0
     again = run(ray_head, root, *common, "trainer.resume_mode=auto", "checkpoint.rollout_state=drop")
-    assert resumed_at(again) == 4
+    assert resumed_at(again.stdout) == 4
     after = metrics(root)
     dropped = [e for e in after[5]["ckpt_events"] if e.startswith("rollout state dropped")]
     assert dropped and int(dropped[0].split()[3]) > 0
@@ -103,14 +100,14 @@ def test_rollout_ranks_reshard_two_to_one_and_back(ray_head, tmp_path):
     reshard = "checkpoint.allow_reshard=true"
     run(ray_head, root, "trainer.total_training_steps=4", "rollout.n_gpus_per_node=2")
     one = run(ray_head, root, "trainer.total_training_steps=6", "rollout.n_gpus_per_node=1", reshard)
-    assert resumed_at(one) == 4 and "resharded" in one.stdout
+    assert resumed_at(one.stdout) == 4 and "resharded" in one.stdout
     ms = metrics(root)
     saved = ms[4]["in_flight"]
     assert saved > 0
     assert (f"rollout state restored: {saved} sequences in flight on 1 rank(s) (saved on 2)"
             in " ".join(ms[5]["ckpt_events"]))
     two = run(ray_head, root, "trainer.total_training_steps=8", "rollout.n_gpus_per_node=2", reshard)
-    assert resumed_at(two) == 6
+    assert resumed_at(two.stdout) == 6
     ms = metrics(root)
     assert "on 2 rank(s) (saved on 1)" in " ".join(ms[7]["ckpt_events"])
     trained = prompts(ms, range(1, 9))
@@ -123,7 +120,7 @@ def test_a_damaged_rollout_state_falls_back_to_the_checkpoint_before(ray_head, t
     run(ray_head, root, "trainer.total_training_steps=4")
     flip_bit(str(root / "step_00000004" / "rollout_state.json"))
     again = run(ray_head, root, "trainer.total_training_steps=6", "trainer.resume_mode=auto")
-    assert resumed_at(again) == 2
+    assert resumed_at(again.stdout) == 2
     assert "rollout_state.json" in again.stdout + again.stderr
 
 
@@ -146,7 +143,7 @@ def test_weights_synced_every_two_steps_a_save_between_syncs_resumes_bit_for_bit
     run(ray_head, root, *common, "trainer.crash_at_step=3", "trainer.crash_once_committed=true",
         ok=False)
     again = run(ray_head, root, *common)
-    assert resumed_at(again) == 3
+    assert resumed_at(again.stdout) == 3
     b = metrics(root)
     synced = [e for e in b[4]["ckpt_events"] if e.startswith("rollout weights re-synced")]
     # the rollout got the weights of step 2's sync back, not the actor's of step 3
@@ -182,7 +179,7 @@ def test_free_running_job_killed_and_resumed_loses_and_repeats_nothing(ray_head,
     assert killed.returncode != 0
     before = metrics(root)
     again = run(ray_head, root, *common, "trainer.resume_mode=auto")
-    start = resumed_at(again)
+    start = resumed_at(again.stdout)
     after = metrics(root)
     saved, final = rollout_doc(root, start), rollout_doc(root, 10)
     assert tokens_held(saved) > 0

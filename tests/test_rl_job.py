@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from drivers.metrics import read_metrics
+from drivers.metrics import read_metrics, resumed_at
 from raycheckpoint import ConfigMismatchError, Storage
 from raycheckpoint.protocol.paths import COMMITTED, LATEST
 from tests.ray_head import RAY, REPO, submit_job
@@ -82,7 +82,7 @@ def test_killed_job_resumes_exactly(ray_head, tmp_path, algo):
     assert "verified by the workers as they read them" in report
 
     ma, mb = metrics(tmp_path / "a"), metrics(b_root)
-    start = int(resumed.stdout.split("resumed from step_")[1][:8])
+    start = resumed_at(resumed.stdout)
     assert start <= crash
     for step in range(start + 1, steps + 1):
         for key in ("loss", "reward", "kl", "rule_reward", "actor_weights_sha256", "epoch"):

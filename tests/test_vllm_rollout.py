@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from drivers.metrics import read_metrics
+from drivers.metrics import read_metrics, resumed_at
 
 pytest.importorskip("vllm", reason="the [vllm] extra is not installed")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -114,7 +114,7 @@ def test_async_vllm_job_killed_and_resumed_continues_bit_for_bit(tmp_path):
     before = records(b_root)
     again = async_run(b_root, *det)
     # the kill may come before its step's save commits: it resumes from the newest committed
-    start = int(again.stdout.split("resumed from step_")[1][:8])
+    start = resumed_at(again.stdout)
     assert 2 <= start <= crash
     b = records(b_root)
     assert a[start]["in_flight"] > 0  # sequences were in flight when it saved: prefilled
