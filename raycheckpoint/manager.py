@@ -9,10 +9,11 @@ actor, sets up the workers' savers, and drives the protocol:
 * ``save_checkpoint(tag=None, kind="full")`` asks the coordinator to ``begin`` and, in
   the same moment, each trainable role's workers to snapshot (``ckpt_snapshot_begun``:
   they copy while ``begin`` runs and read its answer after); a frozen role's workers
-  snapshot once ``begin`` has said whether their weights are reused.  Once every worker
-  has answered (after its host copy), it sends ``ckpt_start_persist`` and the
-  coordinator's ``await_save`` without waiting, and returns a :class:`SaveHandle` on that
-  call's answer at once; persisting and committing go on in the background.
+  snapshot once ``begin`` has said whether their weights are reused.  Each worker starts
+  its persist as it answers (after its host copy); once every worker has answered, the
+  manager sends the coordinator's ``await_save`` without waiting, and returns a
+  :class:`SaveHandle` on that call's answer at once; persisting and committing go on in
+  the background.
   ``handle.wait(timeout)`` returns the commit result or raises the error.
 * ``load_checkpoint(ref, strict=True)`` resolves, verifies and loads a checkpoint into
   every worker (resharding when the world size changed), then restores the driver's

@@ -40,9 +40,12 @@ def _named(save_id: str, step: int) -> dict:
     return {"save_id": save_id, "name": f"step_{step:08d}", "reused": []}
 
 
-def _persist(w: _Worker, save_id: str) -> None:
-    w.ckpt_start_persist(save_id)
-    w._saver().pending.wait(RPC_TIMEOUT)
+def _persisted(w: _Worker, save_id: str) -> None:
+    """The rank started save ``save_id``'s persist by itself as it answered (nothing here
+    starts it: ``wait_done`` does not); wait for it to end."""
+    pending = w._saver().pending
+    assert pending.save_id == save_id and pending.started
+    assert pending.wait_done(RPC_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +69,8 @@ def test_the_copy_is_made_while_begin_runs_and_persists_where_it_answers(worker)
                                 begin_timeout_s=RPC_TIMEOUT)
     assert "dropped" not in out
     assert out["copy_s"] >= SLOW_S * 0.8 and time.perf_counter() - t0 >= SLOW_S * 0.8
-    assert w._saver().pending.save_id == "s7" and not w._saver().pending.done()  # deferred
     assert all(torch.equal(at_save[k], w.staged()["model"][k]) for k in at_save)
-    _persist(w, "s7")
+    _persisted(w, "s7")
     got = ray.get(reports.take.remote(), timeout=RPC_TIMEOUT)
     assert [(r[0], r[1], r[2], r[4]) for r in got] == [("s7", "actor", 0, None)]
     assert got[0][3] and all(p.startswith("step_00000007/") for p in got[0][3])
@@ -92,7 +94,7 @@ def test_an_answer_naming_no_save_for_this_rank_drops_the_copy(worker, answer, r
     w.step()  # the next save is whole, through the same buffers
     out = w.ckpt_snapshot_begun(_named("s4", 4), "full")  # an answer already resolved
     assert "dropped" not in out
-    _persist(w, "s4")
+    _persisted(w, "s4")
     assert [r[0] for r in ray.get(reports.take.remote(), timeout=RPC_TIMEOUT)] == ["s4"]
     assert all(torch.equal(v, w.staged()["model"][k]) for k, v in w.net.state_dict().items())
 

@@ -15,8 +15,8 @@ requested with a training step (:meth:`CheckpointManager.step_save
 3. :meth:`SaveRound.finish` reads ``begin``'s answer, snapshots the frozen roles whose
    weights are not reused (a save riding on a step sends those at step 2 already where
    ``begin`` has answered by then: they copy beside the step), waits for every
-   snapshot, starts the persists and hands the coordinator's ``await_save`` to a
-   :class:`~raycheckpoint.save_handle.SaveHandle`.
+   snapshot (each rank starts its persist as it answers) and hands the coordinator's
+   ``await_save`` to a :class:`~raycheckpoint.save_handle.SaveHandle`.
 
 :func:`settle` waits for snapshots whose save ended before it was named (``begin``
 failed, or reused an existing checkpoint); :func:`fail_staged` aborts a named save after
@@ -157,12 +157,8 @@ class SaveRound:
             fail_staged(m._coordinator, save_id, name, self.kind, writers,
                         f"snapshot failed: {reason}", wait_s, refusing=lost)
             raise CheckpointSaveError(f"snapshot for {name} failed: {reason}", failures=lost)
-        # every rank answered before any persist thread competes for its GIL; sent from
-        # here, so each start is queued ahead of the driver's next call to that worker (the
-        # next training step); not waited for: a failed persist reports to the coordinator,
-        # and a start that never arrives happens at the worker's next snapshot, load or wait
-        for _, w in writers:
-            w.ckpt_start_persist.remote(save_id)
+        # each rank started its own persist as it answered (no call per rank from here);
+        # a failed persist reports to the coordinator, which `await_save` then raises
         finished = m._coordinator.await_save.remote(save_id, late if self.held else None)
         # frozen roles sent their snapshot while the step ran (idle there, no step's call
         # behind it): beside the step, not in its blocked time
@@ -223,13 +219,12 @@ def fail_staged(coordinator: Any, save_id: str, name: str, kind: str,
                 refusing: dict[str, str] | None = None) -> None:
     """Abort save ``save_id`` (step directory ``name``) after its snapshots; wait for no one.
 
-    The ranks that staged persist too, and meet a failed rank's refusal in their first
-    agreement: they end at once, not when the next save finds them waiting.  A rank
-    whose staging failed refused by itself; one in ``refusing`` (``"role/rank"`` -> why)
-    staged nothing and is told to refuse first.
+    The ranks that staged started their persist as they answered, and meet a failed
+    rank's refusal in their first agreement: they end at once, not when the next save
+    finds them waiting.  A rank whose staging failed refused by itself; one in
+    ``refusing`` (``"role/rank"`` -> why) staged nothing and is told to refuse.
     """
     coordinator.abort.remote(save_id, reason)
     for who, w in writers:
         if refusing and who in refusing:
             w.ckpt_refuse.remote(save_id, name, kind, refusing[who], wait_timeout_s)
-        w.ckpt_start_persist.remote(save_id, if_staged=True)

@@ -145,7 +145,7 @@ class ShardSaver:
     def wait_previous(self, timeout: float) -> None:
         """Wait for the previous persist; its error was already reported to the coordinator.
 
-        A persist whose start was deferred and never asked for (the driver died between
+        A persist whose start was deferred and never asked for (its caller died between
         the snapshot and ``start_persist``) is started here, so it cannot block forever.
         """
         if self.pending is not None:
@@ -163,8 +163,9 @@ class ShardSaver:
         ``start=False`` defers the persist's start.  ``marks`` gets the wall-clock time
         each phase ended at (``planned``, ``copied``, ``named``: a save's breakdown).
 
-        Deferring lets the caller answer its RPC before the persist thread competes with it
-        (and with the other ranks' copies): ``start_persist`` then starts it.  With
+        Deferring lets the caller finish its answer first (the worker's
+        ``ckpt_snapshot_begun`` starts it as its last step) or leave the start to its own
+        caller (``ckpt_snapshot(defer_persist=True)``, then :meth:`start_persist`).  With
         ``overlap`` the tensors are copied by a thread started here, and the caller must
         call :meth:`wait_copied` before anything changes them (the optimizer step).
 

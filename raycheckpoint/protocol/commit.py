@@ -47,7 +47,8 @@ class SaveRecord:
     held: bool = False  # begun with a step: committed once the driver completes it (await_save)
     rollout_state: Any = None  # JSON-safe: written encrypted as rollout_state.json
     # when the save began; a held save's time is counted from its release (the step's
-    # end, when its persists start), so that its commit time does not hold the step's
+    # end; its ranks started their persists as they answered, just before), so that its
+    # commit time does not include the step's own calls
     started: float = field(default_factory=time.time)
     reports: dict[tuple[str, int], list[FileEntry]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
