@@ -197,7 +197,7 @@ def test_a_persist_starts_before_the_drivers_next_call_to_its_worker(group2, loc
 
     def started(self) -> bool:  # the first call the driver makes after save_checkpoint
         pending = self._ckpt_saver.pending
-        return pending._thread.ident is not None
+        return pending.started
 
     m = manager(local_root, {"actor": group2})
     try:

@@ -18,16 +18,20 @@ every other, invisible until the commit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from raycheckpoint._internal.staging import copy_tensors
 from raycheckpoint.storage.direct_io import address
+
+if TYPE_CHECKING:
+    from raycheckpoint._internal.lanes import Lane
 
 log = logging.getLogger(__name__)
 
@@ -179,18 +183,13 @@ class OverlappedWrite:
         self.error: BaseException | None = None
         self._done = threading.Event()
 
-    def start(self, storage: Any, dcp_dir: Callable[[], str | None], name: str,
-              before: Callable[[], None] | None = None) -> None:
-        """Write the files in a thread named ``name``, which first calls ``before``."""
-        threading.Thread(target=self._run, args=(storage, dcp_dir, before), daemon=True,
-                         name=name).start()
+    def start(self, lane: Lane, storage: Any, dcp_dir: Callable[[], str | None]) -> None:
+        """Write the files on ``lane`` (a :class:`~raycheckpoint._internal.lanes.Lane`)."""
+        lane.submit(functools.partial(self._run, storage, dcp_dir))
 
-    def _run(self, storage: Any, dcp_dir: Callable[[], str | None],
-             before: Callable[[], None] | None) -> None:
+    def _run(self, storage: Any, dcp_dir: Callable[[], str | None]) -> None:
         rel = None
         try:
-            if before is not None:
-                before()
             where = dcp_dir()
             if where is None:
                 return
@@ -251,7 +250,6 @@ def start_early_write(saver: Any, kind: str, copies: list[tuple[torch.Tensor, to
     order that fills the files front to back, and the progress the copy tells; None
     where no file is written early (the first save of a plan, or its files are written
     record by record)."""
-    from raycheckpoint._internal.priority import lower_priority
     from raycheckpoint.protocol.paths import CheckpointPaths
 
     plan = saver.plans.get(kind)
@@ -277,9 +275,9 @@ def start_early_write(saver: Any, kind: str, copies: list[tuple[torch.Tensor, to
         named = target.named()
         return None if named is None else CheckpointPaths(named[1]).role_dir(saver.role)
 
-    # below training, as the persist thread is: the copy beside it is training's stall
-    early.start(saver.storage, dcp_dir, f"raycheckpoint-write-ahead-{saver.role}-{saver.rank}",
-                before=lambda: lower_priority(saver.persist_nice))
+    # below training, as the persist is (the lane's level): the copy beside it is
+    # training's stall
+    early.start(saver.lanes.write_ahead, saver.storage, dcp_dir)
     return copies, progress
 
 

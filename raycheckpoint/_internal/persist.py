@@ -5,11 +5,9 @@
   the coordinator its persist reports to;
 * :class:`PersistJob`: everything one persist writes and where it reports (the persist
   thread's one argument);
-* :class:`PendingPersist`: the handle a saver keeps on its rank's last persist (the
-  thread keeps its exception; ``wait`` re-raises it unchanged).
-
-:func:`~raycheckpoint._internal.priority.lower_priority` puts a background thread below
-training.
+* :class:`PendingPersist`: the handle a saver keeps on its rank's last persist (run on
+  the saver's persist :class:`~raycheckpoint._internal.lanes.Lane`, below training; it
+  keeps its exception, and ``wait`` re-raises it unchanged).
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 from raycheckpoint._internal.dcp.shard_plan import ShardPlan
+from raycheckpoint._internal.lanes import Lane
 from raycheckpoint.storage import FileEntry
 
 
@@ -117,25 +116,33 @@ class PendingPersist:
         self.files: list[FileEntry] = []
         self.persist_s: float | None = None
         self._done = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._run: tuple[Lane, Callable[[], None]] | None = None  # its lane, its job
+        self._started = False
         self._start_lock = threading.Lock()
         # the host copy: already made unless the save overlaps it with training
         self.copied = threading.Event()
         self.copy_error: BaseException | None = None
         self.copy_s: float | None = None
 
+    def set_up(self, lane: Lane, job: Callable[[], None]) -> None:
+        """``job`` is this persist, to run on ``lane`` once started."""
+        self._run = (lane, job)
+
     def start(self) -> None:
-        """Start the background persist (once; later calls do nothing)."""
+        """Start the background persist: hand it to its lane (once; later calls do nothing)."""
         with self._start_lock:
-            if self._thread is not None and self._thread.ident is None:
-                self._thread.start()
+            if self._run is not None and not self._started:
+                self._started = True
+                lane, job = self._run
+                self._run = None  # the lane holds the job until it has run
+                lane.submit(job)
 
     def done(self) -> bool:
         return self._done.is_set()
 
     @property
     def started(self) -> bool:
-        return self._thread is not None and self._thread.ident is not None
+        return self._started
 
     def finish(self) -> None:
         """The persist is over (its files and error are set): waiters go on."""

@@ -7,7 +7,8 @@
    (:class:`~raycheckpoint._internal.staging.HostStager`: allocated on first use or by
    ``prepare()``, reused afterwards, pinned when CUDA is present).
    **This copy is the only time training is blocked.**
-2. A background thread (:meth:`ShardSaver._persist`, one :class:`PersistJob`) saves the
+2. A background thread (:meth:`ShardSaver._persist`, one :class:`PersistJob`, run on the
+   saver's persist lane: :mod:`~raycheckpoint._internal.lanes`) saves the
    staged copy in torch DCP's format (:func:`~raycheckpoint._internal.dcp.save.save_state`:
    DCP's protocol, its plans agreed once) through
    :class:`~raycheckpoint._internal.dcp.writer.HashingStorageWriter` on the checkpoint
@@ -15,8 +16,8 @@
    role's assets (rank 0: files such as a Hugging Face ``config.json``), and reports the
    written files to the coordinator.  After the first save of a plan to local disk, it
    moves the staged tensors of the rank's large data file into one block laid out as the
-   file (:meth:`ShardSaver._stage_files_whole`): a thread started at the snapshot writes
-   it while the copy fills it (:mod:`~raycheckpoint._internal.overlapped_write`), and the
+   file (:meth:`ShardSaver._stage_files_whole`): the snapshot hands its write to another
+   lane, which writes it while the copy fills it (:mod:`~raycheckpoint._internal.overlapped_write`), and the
    persist finds it written.
 3. On failure the thread keeps the exception (``PendingPersist.error``), reports it to
    the coordinator so the save aborts, and ``PendingPersist.wait()`` re-raises it.  A
@@ -25,7 +26,7 @@
    :meth:`ShardSaver.refuse`.
 
 With ``overlap=True`` (``checkpoint.overlap_copy``) step 1 only builds the copy list:
-the host copy itself runs in a thread of its own while training goes on, and
+the host copy itself runs on a lane of its own while training goes on, and
 :meth:`ShardSaver.wait_copied` (called by the worker before its optimizer step, the
 first thing that changes the saved tensors) waits for whatever is left of it.
 
@@ -35,8 +36,8 @@ from save to save.  The saver knows nothing of commits: it writes files and repo
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
 import time
 import traceback
 from typing import Any
@@ -50,6 +51,7 @@ from raycheckpoint._internal.bounded_write import BoundedBuffer, snapshot_bounde
 from raycheckpoint._internal.dcp.save import save_state
 from raycheckpoint._internal.dcp.shard_plan import ShardPlan
 from raycheckpoint._internal.dcp.writer import HashingStorageWriter
+from raycheckpoint._internal.lanes import SaverLanes
 from raycheckpoint._internal.overlapped_write import (
     CopyProgress,
     OverlappedWrite,
@@ -63,7 +65,6 @@ from raycheckpoint._internal.persist import (
     Snapshot,
     describe_error,
 )
-from raycheckpoint._internal.priority import lower_priority
 from raycheckpoint._internal.staging import HostStager, tensor_bytes
 from raycheckpoint.protocol.format import pack
 from raycheckpoint.protocol.paths import CheckpointPaths
@@ -86,6 +87,9 @@ class ShardSaver:
         self.process_group = process_group
         self.report_timeout_s = report_timeout_s
         self.persist_nice = persist_nice
+        # its background threads, kept from save to save (a thread per save cost the
+        # snapshot the new thread's first scheduling: up to ms on busy cores)
+        self.lanes = SaverLanes(f"{role}-{rank}", persist_nice)
         # a kind's plan was made for its buffers: new buffers, a new plan
         self.stager = HostStager(f"{role}/{rank}", lambda kind: self.plans.pop(kind, None))
         self.plans: dict[str, ShardPlan] = {}
@@ -104,7 +108,9 @@ class ShardSaver:
 
     def prepare(self, kind: str, state: dict[str, Any]) -> int:
         """Allocate and touch the host buffers for ``kind`` now (none for a state over
-        ``host_buffer_bytes``: saved through the bounded buffer); returns their bytes."""
+        ``host_buffer_bytes``: saved through the bounded buffer), and start the saver's
+        background threads; returns the buffers' bytes."""
+        self.lanes.start()
         if self.host_buffer_bytes is not None and tensor_bytes(state) > self.host_buffer_bytes:
             return 0
         return self.stager.prepare(kind, state)
@@ -192,9 +198,8 @@ class ShardSaver:
             copies, progress = self._start_overlapped_write(kind, copies, target, wait_timeout_s)
             marks["planned"] = time.time()
             if overlap:
-                threading.Thread(target=self._copy_beside_training,
-                                 args=(pending, copies, ready, progress), daemon=True,
-                                 name=f"raycheckpoint-copy-{self.role}-{self.rank}").start()
+                self.lanes.copy.submit(functools.partial(
+                    self._copy_beside_training, pending, copies, ready, progress))
             else:
                 t_copy = time.perf_counter()
                 self.stager.copy(copies, ready, progress)
@@ -228,9 +233,7 @@ class ShardSaver:
     def _set_up_persist(self, job: PersistJob, *, start: bool) -> None:
         """Make ``job.pending`` this saver's persist (its thread started now, or deferred)."""
         self.pending = job.pending
-        job.pending._thread = threading.Thread(
-            target=self._persist, name=f"raycheckpoint-persist-{self.role}-{self.rank}",
-            args=(job,), daemon=True)
+        job.pending.set_up(self.lanes.persist, functools.partial(self._persist, job))
         if start:
             job.pending.start()
 
@@ -268,7 +271,7 @@ class ShardSaver:
     def _copy_beside_training(self, pending: PendingPersist,
                               copies: list[tuple[torch.Tensor, torch.Tensor]], ready: Any,
                               progress: CopyProgress | None) -> None:
-        """The host copy of an overlapped save, in a thread of its own."""
+        """The host copy of an overlapped save, on the copy lane."""
         t0 = time.perf_counter()
         try:
             faults.check("worker.copy", path=f"{self.role}/{self.rank}")
@@ -316,7 +319,6 @@ class ShardSaver:
     def _persist(self, job: PersistJob) -> None:
         t0 = time.perf_counter()
         pending, failed = job.pending, job.failed
-        lower_priority(self.persist_nice)
         early = self._early.get(job.kind)
         if early is not None:  # the snapshot answered: its early write may hash
             early.progress.release()
