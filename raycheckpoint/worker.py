@@ -123,6 +123,8 @@ class CheckpointableWorker(RankLoading):
                     self._ckpt_pg = dist.new_group(backend="gloo",
                                                    timeout=timedelta(seconds=report_timeout_s))
                 process_group = self._ckpt_pg
+            if self._ckpt_saver is not None:  # its last persist still runs, then its threads end
+                self._ckpt_saver.retire()
             self._ckpt_saver = ShardSaver(role=role, rank=rank, world_size=world_size,
                                           storage=storage, process_group=process_group,
                                           report_timeout_s=report_timeout_s,

@@ -82,3 +82,61 @@ def test_a_persist_is_handed_to_its_lane_once():
     time.sleep(0.05)
     assert runs == [1]
     PendingPersist("s2").start()  # nothing set up: nothing to start
+
+
+def _alive(name: str) -> int:
+    return sum(t.name == name for t in threading.enumerate())
+
+
+def _until(cond, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_a_closed_lane_runs_what_it_was_handed_then_its_thread_ends():
+    """A worker set up for another root replaces its saver: the old saver's threads must
+    not outlive its last persist."""
+    name = "raycheckpoint-test-closed"
+    lane = Lane(name)
+    release, ran = threading.Event(), []
+    lane.submit(lambda: (release.wait(10), ran.append(1)))
+    lane.submit(lambda: ran.append(2))
+    lane.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        lane.submit(lambda: ran.append(3))
+    assert _alive(name) == 1
+    release.set()
+    assert _until(lambda: _alive(name) == 0)
+    assert ran == [1, 2]
+
+
+def test_a_lane_let_go_of_ends_its_thread():
+    import gc
+
+    name = "raycheckpoint-test-dropped"
+    done = threading.Event()
+    lane = Lane(name)
+    lane.submit(done.set)
+    assert done.wait(10) and _alive(name) == 1
+    del lane
+    gc.collect()
+    assert _until(lambda: _alive(name) == 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread nice values here")
+def test_a_lanes_level_set_later_applies_from_its_next_job():
+    lane = Lane("raycheckpoint-test-renice", nice=1)
+    seen: list[int] = []
+    done = threading.Event()
+    before = _nice()
+    lane.submit(lambda: seen.append(_nice()))
+    lane.submit(done.set)
+    assert done.wait(10)
+    lane.nice = 3
+    done.clear()
+    lane.submit(lambda: seen.append(_nice()))
+    lane.submit(done.set)
+    assert done.wait(10)
+    assert seen == [min(19, before + 1), min(19, before + 3)]

@@ -12,55 +12,104 @@ A lane runs one job at a time, in the order handed: each kind of work never has 
 jobs of one rank at once (a snapshot waits for its rank's previous persist, which has
 waited for the copy and ended the early write), and two persists of one rank must not
 interleave their collectives anyway.  A job ends its own errors (each keeps them for
-its waiters); anything it lets out is logged, and the lane goes on.
+its waiters); anything it lets out is logged, and the lane goes on.  A lane's thread
+ends once the lane is closed (a worker set up anew gets a new saver) or collected,
+after the jobs handed before.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 
-from raycheckpoint._internal.priority import lower_priority
-
 log = logging.getLogger(__name__)
+
+_STOP = object()  # handed last: the thread ends
 
 
 class Lane:
     """One daemon thread named ``name`` (started with the first job, or by
-    :meth:`start`), ``nice`` levels below the thread that started it."""
+    :meth:`start`), ``nice`` levels below the level it started at (settable; a level
+    raised back is applied where the process may, as ``nice`` would)."""
 
     def __init__(self, name: str, nice: int = 0) -> None:
         self.name = name
-        self.nice = nice
-        self._jobs: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+        self._level = [nice]  # shared with the thread, which holds no reference to the lane
+        self._jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._closed = False
         self._lock = threading.Lock()
+        weakref.finalize(self, self._jobs.put, _STOP)  # a lane let go of ends its thread
+
+    @property
+    def nice(self) -> int:
+        return self._level[0]
+
+    @nice.setter
+    def nice(self, value: int) -> None:
+        self._level[0] = value  # from the next job on
 
     def start(self) -> None:
         """Start the thread now (a first save then finds it waiting)."""
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
+            self._start()
+
+    def _start(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name}: the lane is closed")
+        if self._thread is None:
+            self._thread = threading.Thread(target=_serve, args=(self.name, self._jobs,
+                                                                 self._level),
+                                            name=self.name, daemon=True)
+            self._thread.start()
 
     def submit(self, job: Callable[[], object]) -> None:
-        """Run ``job`` once the jobs handed before it have run; returns at once."""
-        self._jobs.put(job)
-        if self._thread is None:
-            self.start()
+        """Run ``job`` once the jobs handed before it have run; returns at once (raises
+        on a closed lane)."""
+        with self._lock:  # never behind the end a close() hands
+            self._start()
+            self._jobs.put(job)
 
-    def _run(self) -> None:
-        lower_priority(self.nice)  # once: the level is relative, the thread lives on
-        while True:
-            job = self._jobs.get()
+    def close(self) -> None:
+        """End the thread once the jobs handed before have run; no job is taken after."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._jobs.put(_STOP)
+
+
+def _serve(name: str, jobs: queue.SimpleQueue[object], level: list[int]) -> None:
+    tid = threading.get_native_id()
+    base = applied = _nice(tid)
+    while True:
+        job = jobs.get()
+        if job is _STOP:
+            return
+        want = min(19, base + max(0, level[0]))
+        if want != applied:
             try:
-                job()
-            except BaseException:  # the lane outlives a job's escape
-                log.exception("%s: a background job failed", self.name)
-            finally:
-                del job  # nothing of a finished save is kept alive by an idle lane
+                os.setpriority(os.PRIO_PROCESS, tid, want)
+                applied = want
+            except (OSError, AttributeError):  # not permitted here (a level raised back)
+                pass
+        try:
+            job()  # type: ignore[operator]
+        except BaseException:  # the lane outlives a job's escape
+            log.exception("%s: a background job failed", name)
+        finally:
+            del job  # nothing of a finished save is kept alive by an idle lane
+
+
+def _nice(tid: int) -> int:
+    """The thread's nice value (Linux: each thread has its own); 0 where unknown."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except (OSError, AttributeError):
+        return 0
 
 
 class SaverLanes:
@@ -72,6 +121,16 @@ class SaverLanes:
         self.copy = Lane(f"raycheckpoint-copy-{who}")
         self.write_ahead = Lane(f"raycheckpoint-write-ahead-{who}", nice)
 
+    def all(self) -> tuple[Lane, Lane, Lane]:
+        return self.persist, self.copy, self.write_ahead
+
+    def set_nice(self, nice: int) -> None:
+        self.persist.nice = self.write_ahead.nice = nice
+
     def start(self) -> None:
-        for lane in (self.persist, self.copy, self.write_ahead):
+        for lane in self.all():
             lane.start()
+
+    def close(self) -> None:
+        for lane in self.all():
+            lane.close()

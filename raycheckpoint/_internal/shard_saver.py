@@ -86,7 +86,6 @@ class ShardSaver:
         self.storage = storage.open()
         self.process_group = process_group
         self.report_timeout_s = report_timeout_s
-        self.persist_nice = persist_nice
         # its background threads, kept from save to save (a thread per save cost the
         # snapshot the new thread's first scheduling: up to ms on busy cores)
         self.lanes = SaverLanes(f"{role}-{rank}", persist_nice)
@@ -101,6 +100,15 @@ class ShardSaver:
         # checkpoint.host_buffer_bytes: a larger state is saved through a bounded buffer
         self.host_buffer_bytes: int | None = None
         self._bounded: BoundedBuffer | None = None
+
+    @property
+    def persist_nice(self) -> int:
+        """How many nice levels below training the persist (and the early write) runs."""
+        return self.lanes.persist.nice
+
+    @persist_nice.setter
+    def persist_nice(self, nice: int) -> None:
+        self.lanes.set_nice(nice)
 
     @property
     def pin_memory(self) -> bool:
@@ -137,6 +145,11 @@ class ShardSaver:
         early = self._early.pop(kind, None)
         if early is not None:
             early.end(self.storage)
+
+    def retire(self) -> None:
+        """This saver is replaced (its worker set up anew): its threads end once the
+        jobs handed to them have run."""
+        self.lanes.close()
 
     def close(self, timeout: float) -> None:
         """At process exit: wait at most ``timeout`` for a running persist.  One never
