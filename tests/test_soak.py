@@ -36,13 +36,11 @@ LANES = 3  # a saver's background threads: persist, copy beside training, early 
 
 
 def _own_threads(self) -> tuple[int, int]:
-    """On an actor: its live raycheckpoint-* threads that are not kept from save to save
-    (``_internal/lanes.py``: a rank's saver lanes, the coordinator's commit thread), and
-    those that are."""
+    """On an actor: its live raycheckpoint-* threads that are not a rank's saver lanes
+    (kept for the process's life: ``_internal/lanes.py``), and those lanes."""
     saver = getattr(self, "_ckpt_saver", None)
-    lanes = set() if saver is None else {lane.name for lane in saver.lanes.all()}
-    if getattr(self, "_commit_lane", None) is not None:
-        lanes.add(self._commit_lane.name)
+    lanes = set() if saver is None else {
+        lane.name for lane in (saver.lanes.persist, saver.lanes.copy, saver.lanes.write_ahead)}
     names = [t.name for t in threading.enumerate() if t.name.startswith("raycheckpoint-")
              and t.name != "raycheckpoint-exit-watch"]
     return sum(n not in lanes for n in names), sum(n in lanes for n in names)
@@ -126,9 +124,9 @@ def test_200_saves_stay_bounded_and_flat(backend, group2, local_root, request, t
         # the OS count may rise by a few once; a thread left behind per save would
         # add 180 here
         assert g["threads"] <= 8, (name, growth)
-    # none of this library's threads outlive their save; a rank's three lanes (persist,
-    # copy, early write) and the coordinator's commit thread are all they keep
-    assert own[SAVES]["coordinator"] == {"per_save": 0, "lanes": 1} and all(
+    # none of this library's threads (commit, persist) outlive their save; a rank's
+    # three lanes (persist, copy, early write) are all it keeps
+    assert own[SAVES]["coordinator"]["per_save"] == 0 and all(
         own[SAVES][f"worker{r}"]["per_save"] == 0 and own[SAVES][f"worker{r}"]["lanes"] <= LANES
         for r in range(len(group2))), own
     assert threading.active_count() < 50

@@ -13,17 +13,16 @@ It is a plain class, run as a threaded Ray actor by the manager
    commit timeout counts from then, and the call answers when the save has finished, as
    ``wait`` does (it is the driver's handle on the save).  Workers call
    ``report(save_id, role, rank, files, error)`` from their persist threads.
-3. The commit thread (one, kept from save to save) waits for each save's every report
-   (timeout: ``commit_timeout_s``; the error names the missing pairs), then writes, in
-   this order: ``trainer_state.json``, ``version.json``, ``manifest.msgpack``,
-   ``COMMITTED``, ``LATEST`` (full only) and the ``latest`` link, the tag pointer,
-   ``catalog.json``. The save is then committed: ``wait(save_id)`` returns and
-   ``ckpt_on_committed`` is broadcast to the registered workers. Clean-up follows, still
-   under the commit lock (the next ``begin``, ``catalog()`` and ``gc()`` wait for it):
-   retention deletes, then the leftovers of aborted saves are collected. It is kept off
-   the durable path because deleting a checkpoint costs as much as a large part of a
-   commit (about 0.45 s for 2 GB on local disk); ``wait_cleanup()`` waits for it and says
-   what it deleted.
+3. A commit thread per save waits for every report (timeout: ``commit_timeout_s``; the
+   error names the missing pairs), then writes, in this order: ``trainer_state.json``,
+   ``version.json``, ``manifest.msgpack``, ``COMMITTED``, ``LATEST`` (full only) and the
+   ``latest`` link, the tag pointer, ``catalog.json``.  The save is then committed:
+   ``wait(save_id)`` returns and ``ckpt_on_committed`` is broadcast to the registered
+   workers.  Clean-up follows, still under the commit lock (the next ``begin``,
+   ``catalog()`` and ``gc()`` wait for it): retention deletes, then the leftovers of
+   aborted saves are collected.  It is kept off the durable path because deleting a
+   checkpoint costs as much as a large part of a commit (about 0.45 s for 2 GB on local
+   disk); ``wait_cleanup()`` waits for it and says what it deleted.
 4. Any failure aborts: no marker, ``LATEST`` unchanged, partial files left to GC; the
    error is delivered by ``wait(save_id)``.
 
@@ -38,7 +37,6 @@ as the job's named Ray actor.  The coordinator never looks inside tensors.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -47,7 +45,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from raycheckpoint._internal import exit as process_exit
-from raycheckpoint._internal.lanes import Lane
 from raycheckpoint.errors import CheckpointSaveError, CommitTimeoutError
 from raycheckpoint.policy.retention import RetentionPolicy
 from raycheckpoint.protocol.collect import Collector
@@ -100,10 +97,6 @@ class CheckpointCoordinator:
             self.recovery["replication_resumed"] = self.tiers.resume_pending(
                 self.root.sorted_markers())
         self._commits = 0
-        # one thread for the saves' barriers and commits, kept from save to save: a thread
-        # started per save made `begin`, which the driver waits for between steps, wait
-        # for its first scheduling (ms on busy cores: _internal/lanes.py)
-        self._commit_lane = Lane("raycheckpoint-commit")
         self._verifications = VerificationQueue(self.spec, self.root, self._commit_lock,
                                                 timeout_s=config.save_wait_timeout_s,
                                                 start=verifier)
@@ -223,9 +216,8 @@ class CheckpointCoordinator:
             with self._cond:
                 self._saves[save.save_id] = save
                 self._last = save
-        # its barrier and commit, on the thread kept for them (saves never overlap: the
-        # previous one is done, its commit lock let go, before this one is named)
-        self._commit_lane.submit(functools.partial(self._run, save))
+        threading.Thread(target=self._run, args=(save,), daemon=True,
+                         name=f"raycheckpoint-commit-{name}").start()
         return {"save_id": save.save_id, "name": name, "reused": sorted(reused)}
 
     def loaded(self, name: str | None, passed_over: list[tuple[str, str, str]] = ()) -> list[str]:
