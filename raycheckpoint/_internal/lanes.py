@@ -20,11 +20,12 @@ after the jobs handed before.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import weakref
 from collections.abc import Callable
+
+from raycheckpoint._internal.priority import set_thread_nice, thread_nice
 
 log = logging.getLogger(__name__)
 
@@ -83,33 +84,20 @@ class Lane:
 
 
 def _serve(name: str, jobs: queue.SimpleQueue[object], level: list[int]) -> None:
-    tid = threading.get_native_id()
-    base = applied = _nice(tid)
+    base = applied = thread_nice()  # the level is relative to the one it started at
     while True:
         job = jobs.get()
         if job is _STOP:
             return
         want = min(19, base + max(0, level[0]))
-        if want != applied:
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, want)
-                applied = want
-            except (OSError, AttributeError):  # not permitted here (a level raised back)
-                pass
+        if want != applied and set_thread_nice(want):
+            applied = want
         try:
             job()  # type: ignore[operator]
         except BaseException:  # the lane outlives a job's escape
             log.exception("%s: a background job failed", name)
         finally:
             del job  # nothing of a finished save is kept alive by an idle lane
-
-
-def _nice(tid: int) -> int:
-    """The thread's nice value (Linux: each thread has its own); 0 where unknown."""
-    try:
-        return os.getpriority(os.PRIO_PROCESS, tid)
-    except (OSError, AttributeError):
-        return 0
 
 
 class SaverLanes:
