@@ -39,8 +39,7 @@ def _own_threads(self) -> tuple[int, int]:
     """On an actor: its live raycheckpoint-* threads that are not a rank's saver lanes
     (kept for the process's life: ``_internal/lanes.py``), and those lanes."""
     saver = getattr(self, "_ckpt_saver", None)
-    lanes = set() if saver is None else {
-        lane.name for lane in (saver.lanes.persist, saver.lanes.copy, saver.lanes.write_ahead)}
+    lanes = set() if saver is None else {lane.name for lane in saver.lanes.all()}
     names = [t.name for t in threading.enumerate() if t.name.startswith("raycheckpoint-")
              and t.name != "raycheckpoint-exit-watch"]
     return sum(n not in lanes for n in names), sum(n in lanes for n in names)

@@ -244,7 +244,7 @@ class ShardSaver:
                 "pinned": self.stager.pinned(kind), **self.host_figures()}
 
     def _set_up_persist(self, job: PersistJob, *, start: bool) -> None:
-        """Make ``job.pending`` this saver's persist (its thread started now, or deferred)."""
+        """Make ``job.pending`` this saver's persist (handed to its lane now, or deferred)."""
         self.pending = job.pending
         job.pending.set_up(self.lanes.persist, functools.partial(self._persist, job))
         if start:
