@@ -2,6 +2,7 @@
 
     python -m bench.job_stall [--hidden 512] [--layers 8] [--intermediate 1536]
                               [--steps 6] [--rounds 2] [--small] [--json PATH]
+                              [--set KEY=VALUE ...]
 
 Runs ``drivers.main_ppo`` (GRPO, 2 actor ranks on cpu, a full save every step) once per
 configuration and round, alternating them so that the machine's noise falls on all:
@@ -87,6 +88,16 @@ def _job_opts(args: argparse.Namespace, model: dict[str, int], extra: dict[str, 
             "trainer.resume_mode": "disable", **extra}
 
 
+def _override(kv: str) -> tuple[str, Any]:
+    key, sep, value = kv.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set {kv!r}: expected KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -132,6 +143,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--small", action="store_true", help="also the default tiny model")
     p.add_argument("--only", default=None, help="run the configurations whose label has this")
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run (a JSON value, else a string), "
+                        "e.g. checkpoint.write_ahead=false")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one run
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -144,6 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.small:
         models.append(("default tiny", {}))
     configs = [c for c in CONFIGS if args.only is None or args.only in c[0]]
+    overrides = dict(_override(kv) for kv in args.set)
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="rc-job-stall-") as tmp:
         for rnd in range(args.rounds):
@@ -151,7 +166,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 for label, extra in configs:
                     n = sum(len(r) for r in runs.values())
                     root, out = os.path.join(tmp, f"run{n}"), os.path.join(tmp, f"run{n}.json")
-                    opts = _job_opts(args, model, extra, root)
+                    opts = _job_opts(args, model, {**extra, **overrides}, root)
                     proc = subprocess.run([sys.executable, "-m", "bench.job_stall", "--one",
                                            json.dumps(opts), "--out", out],
                                           capture_output=True, text=True, timeout=1800)
