@@ -110,9 +110,12 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
             handle.wait(TIMEOUT_S)
             _cleaned_up(manager)
     ride = {"ride_stall_s": [], "ride_overlap_stall_s": []}
+    phases: dict[str, dict[str, float]] = {}
     for key, overlap in (("ride_stall_s", False), ("ride_overlap_stall_s", True)):
         with _config(manager, overlap_copy=overlap):
-            ride[key] = [ride_save(group, manager, batch, seq) for _ in range(saves)]
+            saved = [ride_save(group, manager, batch, seq) for _ in range(saves)]
+        ride[key] = [stall for stall, _ in saved]
+        phases[key.removesuffix("_s") + "_breakdown_ms"] = _phase_medians([b for _, b in saved])
     a, b, c = _median(alone), _median(during), _median(during_dcp)
     f = _median(overlap_first_step)
     return {"step_s": a, "step_during_persist_s": b, "steps_during_persist": len(during),
@@ -121,14 +124,26 @@ def step_overhead(group: list[Any], manager: CheckpointManager, storage: BenchSt
             "first_step_after_save_s": _median(first_after_save),
             "overlap_stall_s": _median(overlap_stall), "overlap_first_step_s": f,
             "overlap_first_step_slowdown": (f / a - 1) if a and f else None,
-            **{k: _median(v) for k, v in ride.items()}, "batch": batch, "seq": seq}
+            **{k: _median(v) for k, v in ride.items()}, **phases, "batch": batch, "seq": seq}
 
 
-def ride_save(group: list[Any], manager: CheckpointManager, batch: int, seq: int) -> float:
+def _phase_medians(breakdowns: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over the saves that have it (ms; the breakdown's other
+    entries, the rank and whether it rode on its step, are left out)."""
+    def timed(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    names = {p for b in breakdowns for p, v in b.items() if timed(v)}
+    return {p: _median([b[p] for b in breakdowns if timed(b.get(p))]) for p in sorted(names)}
+
+
+def ride_save(group: list[Any], manager: CheckpointManager, batch: int, seq: int
+              ) -> tuple[float, dict[str, float]]:
     """One save riding on a training step (``step_save``, the step's calls, ``snapshot()``,
     ``step()``), as a job makes it: the time it blocked training (``stall_s``: the request,
     the slowest rank's snapshot right after its update, the driver's finish) plus what the
-    next optimizer step waited for an overlapped copy."""
+    next optimizer step waited for an overlapped copy, and where the blocked time went
+    (the handle's ``breakdown``, ms)."""
     number = manager.global_step + 1
     before = _copy_waits(group)
     riding = manager.step_save(number)
@@ -145,7 +160,7 @@ def ride_save(group: list[Any], manager: CheckpointManager, batch: int, seq: int
     waited = _waited_since(group, before)
     handle.wait(TIMEOUT_S)
     _cleaned_up(manager)
-    return handle.stall_s + waited
+    return handle.stall_s + waited, dict(handle.breakdown)
 
 
 def reshard_loads(ranks: int, d: int, storage: BenchStorage, methods: tuple[str, ...],

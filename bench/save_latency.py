@@ -204,6 +204,8 @@ def run_point(ranks: int, bytes_per_rank: int, storage: BenchStorage, *, repeat:
             f"{steps['overlap_stall_s']:.3f} s, first step {steps['overlap_first_step_s']:.3f} s "
             f"({_pct(steps['overlap_first_step_slowdown'])}); riding on a step: blocked "
             f"{steps['ride_stall_s']:.3f} s, with overlap_copy {steps['ride_overlap_stall_s']:.3f} s")
+        for key in ("ride_stall_breakdown_ms", "ride_overlap_stall_breakdown_ms"):
+            log(f"   {key}: " + ", ".join(f"{p} {v:.1f}" for p, v in steps[key].items()))
         measured = True
     finally:
         manager.close(TIMEOUT_S)

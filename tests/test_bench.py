@@ -61,6 +61,12 @@ def test_save_latency_bench_runs_every_method_and_writes_results(ray_session, tm
     # and saves riding on a training step, without and with overlap_copy
     assert saved["step_overhead"]["ride_stall_s"] > 0
     assert saved["step_overhead"]["ride_overlap_stall_s"] > 0
+    # where their blocked time went: the snapshot's phases, riding on the step
+    for key in ("ride_stall_breakdown_ms", "ride_overlap_stall_breakdown_ms"):
+        phases = saved["step_overhead"][key]
+        assert {"send", "copy", "finish", "total"} <= set(phases), key
+        assert "to_worker" not in phases  # riding: the call's way to the worker is the step's
+        assert all(isinstance(v, float) and v >= 0 for v in phases.values()), phases
     assert saved["targets"]["ride_stall_over_host_copy"] == pytest.approx(
         saved["step_overhead"]["ride_stall_s"] / lim["host_copy_beside_s"])
     assert set(saved["targets"]["met"]) >= {"stall_over_host_copy", "durable_over_raw_write",
