@@ -68,10 +68,9 @@ class CheckpointConfig(RetentionRules):
     # kernel neither copies nor keeps their bytes) where the filesystem allows it
     direct_io: bool = True
     # local storage, from a plan's second save: a shard's large data file, staged as one
-    # block laid out as the file, is written while the host copy fills it, so its write
-    # overlaps the copy instead of following it (durable sooner; the write's submissions
-    # share the host with the copy, which on a host short of cores or memory bandwidth
-    # can lengthen the stall a little)
+    # block laid out as the file, is written by a thread of the worker's as soon as the
+    # host copy has filled it, so its write overlaps the rank's answer and the persist's
+    # start instead of following them (never the copy itself: training's blocked time)
     write_ahead: bool = True
 
     # integrity / security: every file's checksum is written; enable_checksum=False skips

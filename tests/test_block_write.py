@@ -1,6 +1,6 @@
-"""A block written while its host copy fills it, a chunk at a time as each becomes final
-(raycheckpoint._internal.overlapped_write), with O_DIRECT where the filesystem has it;
-on two real ranks: ``test_overlapped_write.py``."""
+"""A data file staged whole, written early from its block once the host copy has filled
+it (raycheckpoint._internal.overlapped_write), a chunk at a time with O_DIRECT where the
+filesystem has it; on two real ranks: ``test_overlapped_write.py``."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from raycheckpoint.storage import Storage
 from tests.test_direct_io import direct_supported
 
 
-def test_a_block_is_written_while_its_copy_fills_it(tmp_path, monkeypatch):
-    """A block that a host copy fills front to back (copies given in any order) goes to
-    the device a chunk at a time, from its own memory, as each chunk becomes final: the
-    first chunk is on the device before the copy has filled the rest.  Hashing waits for
-    the copy's end and its release (the persist's start).  Bytes and checksum are a plain
-    write's; a failed copy fails the write with none of its writes left running, and
-    nothing of the file hashed."""
+def test_an_early_write_starts_once_its_copy_is_over(tmp_path, monkeypatch):
+    """A data file's early write (an ``OverlappedWrite`` on its lane) touches nothing
+    while the snapshot's copy runs: no step directory asked for, no file opened, nothing
+    written, so the copy (training's blocked time) has the host to itself.  Once the copy
+    is over, the block goes to the device a chunk at a time from its own memory (the last
+    partial page through a buffer), and hashing waits for its release (the persist's
+    start).  Bytes and checksum are a plain write's; a failed copy leaves no file, nothing
+    written and nothing hashed."""
     import mmap
     import os
     import threading
@@ -27,7 +28,8 @@ def test_a_block_is_written_while_its_copy_fills_it(tmp_path, monkeypatch):
     import torch
 
     from raycheckpoint._internal import overlapped_write as write_ahead
-    from raycheckpoint._internal.overlapped_write import CopyFailed, CopyOrder
+    from raycheckpoint._internal.lanes import Lane
+    from raycheckpoint._internal.overlapped_write import CopyFailed, CopyProgress, OverlappedWrite
     from raycheckpoint.storage import direct_io
 
     if not direct_supported(tmp_path):
@@ -46,95 +48,92 @@ def test_a_block_is_written_while_its_copy_fills_it(tmp_path, monkeypatch):
         return real_write_out(self, buf, length)
 
     monkeypatch.setattr(direct_io.DirectFile, "_write_out", recording)
-    st = Storage(str(tmp_path))
+    events: list[str] = []  # what the early write did, in order
+    hashed: list[int] = []
 
-    def run(name: str, fail: bool) -> tuple:
-        written.clear()
+    class Watched:  # the storage the early write gets: opens and hashing recorded
+        def __init__(self) -> None:
+            self.real = Storage(str(tmp_path))
+
+        def open_write(self, rel, **kw):
+            events.append("open")
+            w = self.real.open_write(rel, **kw)
+            real_hasher = w._sink.file._hasher
+
+            class Recording:
+                def update(self, data):
+                    hashed.append(memoryview(data).nbytes)
+                    real_hasher.update(data)
+
+            w._sink.file._hasher = Recording()
+            return w
+
+        def delete(self, rel):
+            self.real.delete(rel)
+
+    def dcp_dir() -> str:
+        events.append("named")
+        return "s"
+
+    lane = Lane("test-early-write")
+    lane.start()
+
+    def run(fail: bool) -> tuple:
+        for seen in (written, events, hashed):
+            seen.clear()
         source = torch.frombuffer(bytearray(os.urandom(n)), dtype=torch.uint8)
         flat = torch.frombuffer(block, dtype=torch.uint8)
-        spans = [(0, chunk), (chunk, 2 * chunk + 100), (2 * chunk + 100, n)]
-        copies = [(flat[a:b], source[a:b]) for a, b in reversed(spans)]
-        order = CopyOrder(copies, [view])
-        ordered, progress = order.apply(copies)
-        assert [d.data_ptr() for d, _ in ordered] == [flat[a:b].data_ptr() for a, b in spans]
-        assert order.apply(copies[:1]) is None and order.apply(copies[::-1]) is None
-        # each copy waits for the test's go before the progress's own loop makes it
-        go = [threading.Event() for _ in ordered]
-        index = {id(d): i for i, (d, _) in enumerate(ordered)}
+        copies = [(flat[a:b], source[a:b]) for a, b in ((0, chunk), (chunk, n))]
+        go = threading.Event()
 
         def gated(pairs):
-            for d, src in pairs:
-                i = index[id(d)]
-                assert go[i].wait(20)
-                if fail and i == 1:
-                    raise RuntimeError("copy failed")
+            pairs[0][0].copy_(pairs[0][1])  # the first chunk final, the copy still running
+            assert go.wait(20)
+            if fail:
+                raise RuntimeError("copy failed")
+            for d, src in pairs[1:]:
                 d.copy_(src)
 
         monkeypatch.setattr(write_ahead, "copy_tensors", gated)
+        progress = CopyProgress()
+        early = OverlappedWrite([("f.bin", view)], progress, 30.0)
+        early.start(lane, Watched(), dcp_dir)
         copy_error: list = []
 
         def copy() -> None:
             try:
-                progress.copy(ordered)
+                progress.copy(copies)
             except RuntimeError as e:
                 copy_error.append(e)
 
         copier = threading.Thread(target=copy)
         copier.start()
-        hashed: list[int] = []
-        w = st.open_write(name, direct=True)
-        real_hasher = w._sink.file._hasher
-
-        class Recording:
-            def update(self, data):
-                hashed.append(memoryview(data).nbytes)
-                real_hasher.update(data)
-
-        w._sink.file._hasher = Recording()
-        outcome: list = []
-
-        def write() -> None:
-            try:
-                outcome.append(w.write_as_filled(view, lambda k: progress.wait(0, k, 30),
-                                                 lambda: progress.wait_hashing(30)))
-                w.close()
-            except BaseException as e:  # noqa: BLE001 - the test reads it
-                outcome.append(e)
-                w.abort()
-
-        writer = threading.Thread(target=write)
-        writer.start()
-        go[0].set()
-        deadline = time.monotonic() + 20
-        while not written and time.monotonic() < deadline:
-            time.sleep(0.01)
-        # the first chunk went out before the copy filled the rest; nothing hashed yet
-        assert written[:1] == [("caller", chunk)] and not hashed
-        for event in go[1:]:
-            event.set()
+        time.sleep(0.3)  # the lane has long taken the job: it waits for the copy
+        assert not events and not written and not hashed
+        go.set()
         copier.join(30)
         assert len(copy_error) == fail
+        deadline = time.monotonic() + 20
         if not fail:
             while len(written) < 4 and time.monotonic() < deadline:
                 time.sleep(0.01)
             # every whole page written, none hashed: hashing waits for its release
-            assert len(written) == 4 and not hashed and writer.is_alive()
-            progress.release()
-        writer.join(30)
-        return outcome, source, hashed, w
+            assert events == ["named", "open"] and len(written) == 4 and not hashed
+        entry = early.take("s/f.bin", view)  # as the persist's writer asks: releases hashing
+        return entry, early, source
 
-    outcome, source, hashed, w = run("s/filled.bin", fail=False)
-    assert outcome == [n]
+    entry, early, source = run(fail=False)
     expected = source.numpy().tobytes()
-    assert (tmp_path / "s" / "filled.bin").read_bytes() == expected
-    assert w.entry.digest == digest.of(expected, "blake3") and w.entry.size == n
+    assert (tmp_path / "s" / "f.bin").read_bytes() == expected
+    assert entry.digest == digest.of(expected, "blake3") and entry.size == n
     # whole pages from the block; the last partial page (904 bytes) through a buffer
     assert [src for src, _ in written] == ["caller"] * 4 + ["bounce"], written
     assert sum(hashed) == n
 
-    outcome, _, hashed, w = run("s/failed.bin", fail=True)
-    assert isinstance(outcome[0], CopyFailed) and w.error is outcome[0]
-    assert w._sink.file._in_flight is None and not hashed
+    entry, early, _ = run(fail=True)
+    assert entry is None and isinstance(early.error, CopyFailed)
+    assert not events and not written and not hashed
+    lane.close()
 
 
 def test_an_early_write_never_waits_for_its_hashing(tmp_path, monkeypatch):

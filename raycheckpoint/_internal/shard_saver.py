@@ -17,8 +17,8 @@
    written files to the coordinator.  After the first save of a plan to local disk, it
    moves the staged tensors of the rank's large data file into one block laid out as the
    file (:meth:`ShardSaver._stage_files_whole`): the snapshot hands its write to another
-   lane, which writes it while the copy fills it (:mod:`~raycheckpoint._internal.overlapped_write`), and the
-   persist finds it written.
+   lane, which writes it once the copy has filled it
+   (:mod:`~raycheckpoint._internal.overlapped_write`), and the persist finds it written.
 3. On failure the thread keeps the exception (``PendingPersist.error``), reports it to
    the coordinator so the save aborts, and ``PendingPersist.wait()`` re-raises it.  A
    failure on one rank fails the save on every rank of the group in their first
@@ -95,7 +95,7 @@ class ShardSaver:
         self.pending: PendingPersist | None = None
         self._early: dict[str, OverlappedWrite] = {}  # kind -> the last snapshot's early write
         self.copy_wait_s = 0.0  # total time callers were blocked in wait_copied()
-        # write a data file staged whole while the copy fills it (checkpoint.write_ahead)
+        # write a data file staged whole once the copy fills it (checkpoint.write_ahead)
         self.writes_ahead = True
         # checkpoint.host_buffer_bytes: a larger state is saved through a bounded buffer
         self.host_buffer_bytes: int | None = None
@@ -133,11 +133,10 @@ class ShardSaver:
                 "pinned_bytes": self.stager.pinned_bytes
                 + (extra if bounded is not None and bounded.pinned else 0)}
 
-    def _start_overlapped_write(self, kind: str, copies: list[tuple[torch.Tensor, torch.Tensor]],
-                                target: SaveTarget, timeout_s: float
-                                ) -> tuple[list, CopyProgress | None]:
+    def _start_overlapped_write(self, kind: str, target: SaveTarget, timeout_s: float
+                                ) -> CopyProgress | None:
         """:func:`~raycheckpoint._internal.overlapped_write.start_early_write` for ``kind``."""
-        return start_early_write(self, kind, copies, target, timeout_s)
+        return start_early_write(self, kind, target, timeout_s)
 
     def _end_overlapped_write(self, kind: str) -> None:
         """Wait for the early writes of ``kind``'s last snapshot; remove what no persist
@@ -208,7 +207,7 @@ class ShardSaver:
         try:
             faults.check("worker.snapshot", path=f"{self.role}/{self.rank}")
             staged, copies, ready = self.stager.plan(kind, snap.state)
-            copies, progress = self._start_overlapped_write(kind, copies, target, wait_timeout_s)
+            progress = self._start_overlapped_write(kind, target, wait_timeout_s)
             marks["planned"] = time.time()
             if overlap:
                 self.lanes.copy.submit(functools.partial(

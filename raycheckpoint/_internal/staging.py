@@ -325,7 +325,7 @@ class HostStager:
              progress: Any = None) -> None:
         """Make the host copies (GPU: on a stream of its own, after ``ready``);
         ``progress`` (a :class:`~raycheckpoint._internal.overlapped_write.CopyProgress`)
-        is told of each copy, and of the end (whatever happens)."""
+        makes them and is told of the end (whatever happens)."""
         if progress is not None:
             progress.copy(copies)
             return

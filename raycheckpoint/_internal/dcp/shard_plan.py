@@ -11,8 +11,7 @@ writer gets it as an argument, never through attributes of a planner):
 * each tensor record's pieces (:meth:`ShardPlan.record_pieces`), the split of the items
   into data files and each file's :class:`~.record_layout.RecordLayout`;
 * the data files staged whole (:meth:`ShardPlan.adopt_image`: one page-aligned block
-  laid out as the file, written as it lies) and the copy order that fills them
-  (:class:`~raycheckpoint._internal.overlapped_write.CopyOrder`).
+  laid out as the file, written as it lies).
 
 Everything derived from the staged tensors is dropped by :meth:`ShardPlan.forget_tensors`
 when they move; the saver drops the whole plan when its buffers change.
@@ -57,9 +56,6 @@ class ShardPlan:
         self.layouts: dict[str, tuple[list, RecordLayout | None]] = {}  # file -> (items, layout)
         self.images: dict[str, FileImage] = {}  # data files staged whole (adopt_image)
         self.tried_images = False  # whether the saver has tried to (once per plan)
-        # (staging, image views, CopyOrder): the order of the copies over that staging
-        # that fills these images front to back (ShardSaver's overlapped write)
-        self.copy_order: tuple[Any, list[memoryview], Any] | None = None
 
     def record_pieces(self, write_item: Any) -> tuple | None:
         """The bytes of a tensor item's record as pieces to write, the tensor's own memory in
@@ -102,7 +98,6 @@ class ShardPlan:
         self.planner.forget_tensors()
         self._pieces.clear()
         self.images.clear()
-        self.copy_order = None
         self._split = None
         self.layouts.clear()
 

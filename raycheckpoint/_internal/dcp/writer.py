@@ -52,8 +52,8 @@ DCP_SUFFIX = ".distcp"
 class HashingStorageWriter(StorageWriter):
     """Writes a rank's DCP files under ``dcp_dir`` (one, or two for large and small
     items), hashing while it streams; ``plan``: the rank's plan kept between saves (None:
-    each record through torch's writer); ``early``: the files this save's snapshot is
-    writing while its copy fills them; ``bounded``: the state is the live tensors, their
+    each record through torch's writer); ``early``: the files this save's snapshot
+    writes early, once its copy has filled them; ``bounded``: the state is the live tensors, their
     data written through this bounded host buffer a chunk at a time
     (:mod:`~raycheckpoint._internal.bounded_write`), released once this rank's data
     files are written."""
