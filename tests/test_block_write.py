@@ -175,7 +175,7 @@ def test_an_early_write_never_waits_for_its_hashing(tmp_path, monkeypatch):
             real_hasher.update(piece)
 
     w._sink.file._hasher = AfterTheWrites()
-    assert w.write_as_filled(memoryview(block), lambda k: None, lambda: None) == n
+    assert w.write_block(memoryview(block), lambda: None) == n
     entry = w.close()
     assert waited == [True] * chunks
     assert (tmp_path / "s" / "early.bin").read_bytes() == data

@@ -138,8 +138,7 @@ class OverlappedWrite:
             for file_name, view in self.files:
                 rel = f"{where}/{file_name}"
                 with storage.open_write(rel, encrypt=True, direct=True) as w:
-                    w.write_as_filled(view, lambda n: self.progress.wait(self.timeout_s),
-                                      lambda: self.progress.wait_hashing(self.timeout_s))
+                    w.write_block(view, lambda: self.progress.wait_hashing(self.timeout_s))
                 self.written[rel] = (view, w.close())
         except BaseException as e:  # noqa: BLE001 - the file is written by the usual path then
             self.error = e

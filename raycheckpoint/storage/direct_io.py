@@ -149,24 +149,20 @@ class DirectFile:
             self._in_flight = (self._writer.submit(self._write_out, piece, piece.nbytes), None)
         return whole
 
-    def write_as_filled(self, view: memoryview, filled: Callable[[int], None],
-                        hashing: Callable[[], None]) -> None:
-        """Write ``view``, a page-aligned block that a host copy is filling front to back
-        while this runs, as its bytes become final: the file's write overlaps the copy.
+    def write_block(self, view: memoryview, hashing: Callable[[], None]) -> None:
+        """Write ``view``, a page-aligned block, straight from its memory.
 
-        ``filled(n)`` blocks until ``view``'s first ``n`` bytes are final (it raises if
-        the copy failed).  Each whole chunk, once final, is queued to the file's writer
-        thread, which writes the chunks straight from ``view`` one after another.
-        Hashing waits until ``hashing()`` returns (it blocks until the copy is over and
-        the rank is free to spend a core on it), then runs here while the queued writes
-        go out: no write waits for it.  Hashing between two writes, with one write in
+        Each whole chunk is queued to the file's writer thread, which writes the chunks
+        from ``view`` one after another.  Hashing waits until ``hashing()`` returns (it
+        blocks until the rank is free to spend a core on it), then runs here while the
+        queued writes go out: no write waits for it.  Hashing between two writes, with one write in
         flight, would leave the disk idle whenever a hash outlasts that write (9 of the
         93 ms a 120 MB file's writes took, measured).  The file so far must be a whole
         number of pages, nothing waiting in a buffer.  Returns once every write from
         ``view`` is over.
         """
         if self._fill or self._size % DIRECT_ALIGN or address(view) % DIRECT_ALIGN:
-            raise ValueError("write_as_filled needs a page-aligned block at a page boundary")
+            raise ValueError("write_block needs a page-aligned block at a page boundary")
         n = view.nbytes
         whole = n - n % DIRECT_ALIGN
         if self._writer is None:
@@ -178,9 +174,7 @@ class DirectFile:
                 _give_bounce(spare)
             for at in range(0, whole, DIRECT_CHUNK):
                 end = min(at + DIRECT_CHUNK, whole)
-                filled(end)
                 queued.append(self._writer.submit(self._write_out, view[at:end], end - at))
-            filled(n)
             if self._hasher is not None:
                 hashing()
                 for at in range(0, whole, DIRECT_CHUNK):

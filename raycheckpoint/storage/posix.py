@@ -140,7 +140,7 @@ class LocalFile:
 
     hashes_itself = False
     vectored = True
-    writes_as_filled = False
+    writes_blocks = False
     direct = False
 
     def __init__(self, full: str) -> None:
@@ -171,7 +171,7 @@ class DirectSink:
 
     hashes_itself = True
     vectored = True
-    writes_as_filled = True
+    writes_blocks = True
 
     def __init__(self, file: DirectFile) -> None:
         self.file = file
@@ -186,8 +186,8 @@ class DirectSink:
     def writev(self, views: list[memoryview]) -> None:
         self.file.write(views)
 
-    def write_as_filled(self, view: memoryview, filled: Any, hashing: Any) -> None:
-        self.file.write_as_filled(view, filled, hashing)
+    def write_block(self, view: memoryview, hashing: Any) -> None:
+        self.file.write_block(view, hashing)
 
     def flush(self) -> None:
         """Nothing: a DirectFile buffers only what is not yet a whole chunk."""

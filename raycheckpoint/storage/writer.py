@@ -12,8 +12,8 @@ hands them to a *sink* that its backend opens (:meth:`Storage.open_sink
 * ``hashes_itself``: the sink feeds the hasher it was given as it fills its own buffers
   (an ``O_DIRECT`` file: one update per 8 MB, see
   :class:`~raycheckpoint.storage.direct_io.DirectFile`), so the writer does not;
-* ``writes_as_filled``: it can write a block while a host copy fills it
-  (:meth:`HashingWriter.write_as_filled`); ``direct``: its bytes go around the page cache.
+* ``writes_blocks``: it can write a page-aligned block straight from its memory
+  (:meth:`HashingWriter.write_block`); ``direct``: its bytes go around the page cache.
 
 A chunk of :data:`PARALLEL_HASH_BYTES` or more is hashed in a helper thread while it is
 written (both release the GIL); the hash is joined before ``write`` returns, so the
@@ -123,20 +123,18 @@ class HashingWriter:
         self._stored += total
         return total
 
-    def write_as_filled(self, block: memoryview, filled: Callable[[int], None],
-                        hashing: Callable[[], None]) -> int:
-        """Write ``block`` while a host copy fills it front to back (``filled``,
-        ``hashing``: see :meth:`~raycheckpoint.storage.direct_io.DirectFile.write_as_filled`):
-        with ``O_DIRECT`` each chunk goes out once final; elsewhere the whole block once
+    def write_block(self, block: memoryview, hashing: Callable[[], None]) -> int:
+        """Write ``block`` (``hashing``: see
+        :meth:`~raycheckpoint.storage.direct_io.DirectFile.write_block`): with ``O_DIRECT``
+        straight from its memory, hashed beside the writes; elsewhere the whole block once
         it may be hashed.  Returns the bytes written."""
         view = memoryview(block).cast("B")
         faults.check("storage.write", path=self.rel)
-        if not self._sink.writes_as_filled or self._encryptor is not None or self._pos:
-            filled(view.nbytes)
+        if not self._sink.writes_blocks or self._encryptor is not None or self._pos:
             hashing()
             return self.write_many([view])
         try:
-            self._sink.write_as_filled(view, filled, hashing)
+            self._sink.write_block(view, hashing)
         except Exception as e:
             self.error = self.error or e
             raise
@@ -202,7 +200,7 @@ class FsspecFile:
 
     hashes_itself = False
     vectored = False
-    writes_as_filled = False
+    writes_blocks = False
     direct = False
 
     def __init__(self, f: Any) -> None:
