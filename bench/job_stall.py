@@ -89,13 +89,13 @@ def _job_opts(args: argparse.Namespace, model: dict[str, int], extra: dict[str, 
 
 
 def _override(kv: str) -> tuple[str, Any]:
+    """A ``--set KEY=VALUE``, its value read as the job's own command line reads it."""
+    from drivers.config import parse_value
+
     key, sep, value = kv.partition("=")
     if not sep or not key:
         raise SystemExit(f"--set {kv!r}: expected KEY=VALUE")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+    return key, parse_value(value)
 
 
 def _median(xs: list[float]) -> float:
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--only", default=None, help="run the configurations whose label has this")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override for every run (a JSON value, else a string), "
-                        "e.g. checkpoint.write_ahead=false")
+                   help="a config override for every run, read as drivers.main_ppo reads "
+                        "its own, e.g. checkpoint.write_ahead=false")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one run
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
